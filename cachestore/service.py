@@ -1,0 +1,135 @@
+"""The CacheStore gRPC service: Put / Get / Prefetch / Release / Stats over a BlockStore.
+
+Each RPC decodes and checks its request, runs the store operation in a worker thread (KV
+payloads are copied and gathered there, off the event loop), and maps failures to status
+codes: bad input -> INVALID_ARGUMENT naming the field, capacity -> RESOURCE_EXHAUSTED, an
+unknown block -> NOT_FOUND. A failed RPC leaves the service serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+from typing import Callable, TypeVar
+
+import grpc
+import numpy as np
+import torch
+from prometheus_client import Counter, Gauge
+
+from cachestore.keys import BlockKey
+from cachestore.store import BlockStore, CapacityError
+from cachestore.tensor_codec import decode, encode
+from kvplan.config import CachestoreConfig
+from kvplan.serving import Service
+from protos import cachestore_pb2, cachestore_pb2_grpc
+
+log = logging.getLogger("kvplan.cachestore")
+R = TypeVar("R")
+
+GAUGES = {
+    "capacity_bytes": Gauge("kvplan_cachestore_capacity_bytes", "host memory for KV blocks"),
+    "used_bytes": Gauge("kvplan_cachestore_used_bytes", "bytes of KV blocks held (positions, K, V)"),
+    "staged_bytes": Gauge("kvplan_cachestore_staged_bytes", "bytes of prefetched rows awaiting their Get"),
+    "blocks": Gauge("kvplan_cachestore_blocks", "KV blocks held"),
+    "jobs": Gauge("kvplan_cachestore_jobs", "jobs holding blocks"),
+    "pinned_jobs": Gauge("kvplan_cachestore_pinned_jobs", "jobs pinned by in-flight work"),
+}
+COUNTERS = {
+    "evictions": Counter("kvplan_cachestore_evictions", "jobs evicted for capacity (LRU)"),
+    "hits": Counter("kvplan_cachestore_hits", "Gets of a block that exists"),
+    "misses": Counter("kvplan_cachestore_misses", "Gets of a block that does not exist"),
+    "prefetches": Counter("kvplan_cachestore_prefetches", "Prefetches accepted"),
+    "prefetch_hits": Counter("kvplan_cachestore_prefetch_hits", "Gets served from prefetch staging"),
+}
+
+
+def block_key(msg: cachestore_pb2.BlockKey) -> BlockKey:
+    """Wire key -> BlockKey; ValueError names the field ("key.tenant: must not be empty")."""
+    return BlockKey(msg.tenant, msg.job_id, msg.layer, msg.kv_head)
+
+
+class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
+    def __init__(self, store: BlockStore, transport: str = "grpc"):
+        self.store = store
+        self.transport = transport
+        self._exported = {name: 0 for name in COUNTERS}
+        self._export()
+
+    async def Put(self, request: cachestore_pb2.PutRequest, context) -> cachestore_pb2.PutReply:
+        def put():
+            key = block_key(request.key)
+            k = decode(request.k, "k", ndim=2)                                         # [T, D]
+            v = decode(request.v, "v", ndim=2)                                         # [T, D]
+            positions = torch.from_numpy(np.asarray(request.positions, dtype=np.int64))  # [T]
+            return self.store.put(key, positions, k, v, pin=request.pin, copy=False)
+
+        rows, nbytes = await self._call(context, put)
+        return cachestore_pb2.PutReply(rows=rows, bytes=nbytes)
+
+    async def Get(self, request: cachestore_pb2.GetRequest, context) -> cachestore_pb2.GetReply:
+        def get():
+            key = block_key(request.key)
+            return key, self.store.get(key, list(request.token_indices) or None, request.step)
+
+        key, rows = await self._call(context, get)
+        if rows is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"key: no block for job {key.job_id!r} layer {key.layer} kv_head {key.kv_head}")
+        return await asyncio.to_thread(
+            lambda: cachestore_pb2.GetReply(
+                positions=rows.positions.tolist(), k=encode(rows.k), v=encode(rows.v), staged=rows.staged))
+
+    async def Prefetch(self, request: cachestore_pb2.PrefetchRequest, context) -> cachestore_pb2.PrefetchReply:
+        def prefetch():
+            key = block_key(request.key)
+            return self.store.prefetch(key, request.step, list(request.token_indices) or None)
+
+        return cachestore_pb2.PrefetchReply(accepted=await self._call(context, prefetch))
+
+    async def Release(self, request: cachestore_pb2.ReleaseRequest, context) -> cachestore_pb2.ReleaseReply:
+        freed = await self._call(context, lambda: self.store.release(request.tenant, request.job_id, request.keep))
+        return cachestore_pb2.ReleaseReply(freed_bytes=freed)
+
+    async def Stats(self, request: cachestore_pb2.StatsRequest, context) -> cachestore_pb2.StatsReply:
+        s = self.store.stats(request.tenant, request.job_id)
+        return cachestore_pb2.StatsReply(
+            capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, blocks=s.blocks, jobs=s.jobs,
+            pinned_jobs=s.pinned_jobs, evictions=s.evictions, hits=s.hits, misses=s.misses,
+            prefetches=s.prefetches, prefetch_hits=s.prefetch_hits, transport=self.transport)
+
+    async def _call(self, context, fn: Callable[[], R]) -> R:
+        """Run `fn` in a worker thread; abort the RPC with the status its failure maps to."""
+        try:
+            result = await asyncio.to_thread(fn)
+        except CapacityError as e:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        except ValueError as e:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        else:
+            self._export()
+            return result
+        log.info("rejected (%s): %s", code.name, message)
+        self._export()
+        await context.abort(code, message)
+
+    def _export(self) -> None:
+        """Mirror the store's totals into the Prometheus gauges and counters."""
+        stats = asdict(self.store.stats())
+        for name, gauge in GAUGES.items():
+            gauge.set(stats[name])
+        for name, counter in COUNTERS.items():
+            delta = stats[name] - self._exported[name]
+            if delta > 0:
+                counter.inc(delta)
+            self._exported[name] = stats[name]
+
+
+def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Service:
+    """The cachestore as a kvplan Service; `store` lets tests hand in their own."""
+    servicer = CachestoreServicer(store or BlockStore(cfg.capacity_bytes))
+    return Service(
+        name="cachestore",
+        full_names=[cachestore_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name],
+        register=lambda server: cachestore_pb2_grpc.add_CacheStoreServicer_to_server(servicer, server),
+    )

@@ -1,0 +1,229 @@
+"""BlockStore: host-memory KV blocks with a byte capacity, LRU across jobs, and pins.
+
+A job (tenant, job_id) owns the blocks of all its (layer, kv-head) pairs. The least recently
+used job is evicted first, all its blocks together; a pinned job (one with work in flight,
+pinned by `put(pin=True)` until `release`) is never evicted. A put that cannot fit even
+after evicting every other unpinned job raises CapacityError and evicts nothing.
+
+Bytes are the real sizes of the tensors held (positions, K and V). Rows staged by `prefetch`
+are copies outside the capacity; `stats().staged_bytes` reports them. All methods are
+thread-safe (one lock). Messages of ValueError name the request field at fault.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import torch
+
+from cachestore.block import Block, Rows, check_rows
+from cachestore.keys import BlockKey, JobKey
+from cachestore.staging import PrefetchStaging
+
+log = logging.getLogger("kvplan.cachestore")
+
+Indices = Sequence[int] | torch.Tensor | None   # [N] row indices; None: all rows
+
+
+class CapacityError(Exception):
+    """A put does not fit, even after evicting every unpinned job but its own."""
+
+
+@dataclass
+class Counters:
+    hits: int = 0            # gets of a block that exists
+    misses: int = 0          # gets of a block that does not (evicted, released, other tenant)
+    evictions: int = 0       # jobs evicted for capacity
+    prefetches: int = 0      # prefetches accepted (the block existed)
+    prefetch_hits: int = 0   # gets served from the staging area
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    hits: int
+    misses: int
+    evictions: int
+    prefetches: int
+    prefetch_hits: int
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    jobs: int = 0
+    pinned_jobs: int = 0
+    staged_bytes: int = 0
+
+
+@dataclass
+class _Job:
+    blocks: dict[BlockKey, Block] = field(default_factory=dict)
+    nbytes: int = 0
+    pinned: bool = False
+
+
+def _host(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A contiguous CPU tensor the store may own: a copy unless `copy` is False."""
+    t = t.detach()
+    if copy:
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return t.cpu().contiguous()
+
+
+def _as_indices(token_indices: Indices) -> torch.Tensor | None:   # [N] int64 on CPU
+    if token_indices is None:
+        return None
+    idx = torch.as_tensor(token_indices).cpu()
+    if idx.dim() != 1 or (idx.numel() and (idx.dtype.is_floating_point or idx.dtype == torch.bool)):
+        raise ValueError(f"token_indices: must be a 1-D list of integers, got {idx.dtype} shape {list(idx.shape)}")
+    return idx.to(torch.int64)
+
+
+class BlockStore:
+    def __init__(self, capacity_bytes: int, max_staged: int = 4096):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.RLock()
+        self._jobs: OrderedDict[JobKey, _Job] = OrderedDict()   # least recently used first
+        self._staging = PrefetchStaging(max_staged)
+        self._used = 0
+        self._total = Counters()
+        self._by_tenant: dict[str, Counters] = {}
+
+    # -- the five operations ------------------------------------------------------------
+
+    def put(self, key: BlockKey, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            pin: bool = False, copy: bool = True) -> tuple[int, int]:
+        """Append rows (positions [T] int64, k [T, D], v [T, D]) to `key`'s block, creating it.
+
+        Returns (rows, bytes) of the block afterwards. `copy=False` lets the store keep the
+        caller's (CPU, contiguous) tensors instead of copying them.
+        """
+        with self._lock:
+            job = self._jobs.get(key.job)
+            block = job.blocks.get(key) if job else None
+            if block is not None:
+                block.check_append(positions, k, v)
+            else:
+                check_rows(positions, k, v)
+            added = positions.nbytes + k.nbytes + v.nbytes
+            self._make_room(added, keep=key.job)
+            positions, k, v = (_host(t, copy) for t in (positions, k, v))
+            if job is None:
+                job = self._jobs[key.job] = _Job()
+            if block is None:
+                block = job.blocks[key] = Block(positions, k, v)
+            else:
+                block.append(positions, k, v)
+            job.nbytes += added
+            job.pinned |= pin
+            self._used += added
+            self._jobs.move_to_end(key.job)
+            return block.rows, block.nbytes
+
+    def get(self, key: BlockKey, token_indices: Indices = None, step: int = 0) -> Rows | None:
+        """Rows `token_indices` of the block (all when None), or None when there is no block.
+
+        A prefetch staged for the same step and indices is served (and dropped) first. Rows
+        of a whole-block read share the store's tensors: treat them as read-only.
+        """
+        idx = _as_indices(token_indices)
+        with self._lock:
+            block = self._block(key)
+            if block is None:
+                self._count(key.tenant, "misses")
+                return None
+            rows = self._staging.take(key, step, idx)
+            if rows is not None:
+                self._count(key.tenant, "prefetch_hits")
+            else:
+                rows = self._read(block, idx)
+            self._count(key.tenant, "hits")
+            self._jobs.move_to_end(key.job)
+            return rows
+
+    def prefetch(self, key: BlockKey, step: int, token_indices: Indices = None) -> bool:
+        """Gather rows now for the Get of `step`; False when the block does not exist."""
+        idx = _as_indices(token_indices)
+        with self._lock:
+            block = self._block(key)
+            if block is None:
+                return False
+            self._staging.stage(key, step, idx, self._read(block, idx))
+            self._count(key.tenant, "prefetches")
+            self._jobs.move_to_end(key.job)
+            return True
+
+    def release(self, tenant: str, job_id: str, keep: bool = False) -> int:
+        """Unpin a job; drop its blocks unless `keep`. Returns the bytes freed."""
+        job_key = JobKey(tenant, job_id)
+        with self._lock:
+            job = self._jobs.get(job_key)
+            if job is None:
+                return 0
+            job.pinned = False
+            return 0 if keep else self._drop(job_key)
+
+    def stats(self, tenant: str = "", job_id: str = "") -> StoreStats:
+        """Totals, or those of one tenant / job. Counters are kept per tenant, not per job."""
+        with self._lock:
+            jobs = [j for jk, j in self._jobs.items()
+                    if (not tenant or jk.tenant == tenant) and (not job_id or jk.job_id == job_id)]
+            counters = self._total if not tenant else self._by_tenant.get(tenant, Counters())
+            return StoreStats(
+                **{f.name: getattr(counters, f.name) for f in fields(Counters)},
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=sum(j.nbytes for j in jobs),
+                blocks=sum(len(j.blocks) for j in jobs),
+                jobs=len(jobs),
+                pinned_jobs=sum(j.pinned for j in jobs),
+                staged_bytes=self._staging.nbytes,
+            )
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return self._block(key) is not None
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _block(self, key: BlockKey) -> Block | None:
+        job = self._jobs.get(key.job)
+        return job.blocks.get(key) if job else None
+
+    @staticmethod
+    def _read(block: Block, idx: torch.Tensor | None) -> Rows:
+        if idx is None:
+            return block.all_rows()
+        try:
+            return block.gather(idx)
+        except IndexError as e:
+            raise ValueError(f"token_indices: {e}") from None
+
+    def _make_room(self, needed: int, keep: JobKey) -> None:
+        over = self._used + needed - self.capacity_bytes
+        if over <= 0:
+            return
+        victims = [jk for jk, j in self._jobs.items() if not j.pinned and jk != keep]   # LRU first
+        if sum(self._jobs[jk].nbytes for jk in victims) < over:
+            pinned = sum(j.nbytes for j in self._jobs.values() if j.pinned)
+            raise CapacityError(
+                f"a put of {needed} bytes does not fit: capacity {self.capacity_bytes} bytes, "
+                f"{self._used} used, {pinned} of them pinned by in-flight jobs")
+        for jk in victims:
+            if over <= 0:
+                break
+            over -= self._drop(jk)
+            self._count(jk.tenant, "evictions")
+            log.info("evicted job %s (least recently used) to fit %d bytes", jk, needed)
+
+    def _drop(self, job_key: JobKey) -> int:
+        job = self._jobs.pop(job_key)
+        self._staging.drop_job(job_key)
+        self._used -= job.nbytes
+        return job.nbytes
+
+    def _count(self, tenant: str, name: str) -> None:
+        for counters in (self._total, self._by_tenant.setdefault(tenant, Counters())):
+            setattr(counters, name, getattr(counters, name) + 1)

@@ -1,0 +1,1 @@
+"""The executor: runs the model over a KV cache shaped by a CompressionPlan."""

@@ -1,0 +1,42 @@
+"""`full` cache layer: every token's K/V, stored in the storage dtype (fp16 by default, as on a GPU
+deployment) and handed to attention in the compute dtype."""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvplan.plan import LayerPlan
+
+
+class FullLayer(DynamicLayer):
+    kind = "full"
+
+    def __init__(self, plan: LayerPlan, storage_dtype: torch.dtype):
+        super().__init__()
+        self.plan = plan
+        self.storage_dtype = storage_dtype
+        self.tokens_seen = 0            # tokens that passed through this layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device   # compute dtype
+        self.keys = torch.empty(*key_states.shape[:2], 0, key_states.shape[-1], dtype=self.storage_dtype, device=self.device)
+        self.values = torch.empty(*value_states.shape[:2], 0, value_states.shape[-1], dtype=self.storage_dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [B, H_kv, T_new, D] (post-RoPE keys) -> all K/V [B, H_kv, T, D], compute dtype."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
+        self.tokens_seen += key_states.shape[-2]
+        if self.storage_dtype == self.dtype:
+            return self.keys, self.values
+        return self.keys.to(self.dtype), self.values.to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (what `kv_bytes` counts)."""
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def kept_tokens(self) -> int:
+        return self.get_seq_length()

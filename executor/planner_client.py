@@ -1,0 +1,64 @@
+"""The executor's view of the planner: a plan with a deadline, or the local fallback plan
+(`full`, marked degraded) when the planner cannot be reached."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from kvplan.model import LoadedModel
+from kvplan.plan import CompressionPlan, full_plan
+from kvplan.serving import channel_options
+from planner.request import InvalidRequest
+from protos import common_pb2, planner_pb2, planner_pb2_grpc
+
+log = logging.getLogger("kvplan.executor.planner")
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    plan: CompressionPlan
+    degraded: bool
+    reason: str = ""
+
+
+class PlannerClient:
+    def __init__(self, address: str, deadline_s: float):
+        self.deadline_s = deadline_s
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self.stub = planner_pb2_grpc.PlannerStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def strategies(self) -> list[str] | None:
+        """Known strategy names, or None when the planner does not answer in time."""
+        try:
+            got = await self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=min(2.0, self.deadline_s))
+        except grpc.aio.AioRpcError:
+            return None
+        return [s.name for s in got.strategies]
+
+    async def plan(self, job_id: str, tenant: str, strategy: str, budget: common_pb2.Budget, profile: str,
+                   prompt_tokens: int, lm: LoadedModel) -> PlanOutcome:
+        req = planner_pb2.PlanRequest(
+            job_id=job_id, tenant=tenant, strategy=strategy, budget=budget, profile=profile,
+            prompt_tokens=prompt_tokens,
+            model=planner_pb2.ModelShape(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
+                                         num_query_heads=lm.num_query_heads, head_dim=lm.head_dim,
+                                         fingerprint=lm.fingerprint))
+        try:
+            msg = await self.stub.Plan(req, timeout=self.deadline_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                field, _, message = (e.details() or "").partition(": ")
+                raise InvalidRequest(field or "strategy", message or "rejected by the planner") from None
+            if e.code() not in _UNREACHABLE:
+                raise
+            log.warning("job %s: planner unreachable (%s); local full plan, degraded", job_id, e.code().name)
+            return PlanOutcome(full_plan(lm.num_layers, f"local-{job_id}", "full", lm.fingerprint), True,
+                               f"planner {e.code().name}")
+        return PlanOutcome(CompressionPlan.from_proto(msg), False)

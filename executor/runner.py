@@ -1,0 +1,128 @@
+"""The model runner: prefill a prompt under a plan, then decode token by token.
+
+Runs synchronously (the worker calls it in a thread); reports progress and token deltas
+through `emit`, and stops early when `cancelled()` turns true.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from executor.cache import LayerBytes, PlannedCache
+from executor.prompt import Prompt
+from executor.sampler import Sampler
+from kvplan.model import LoadedModel
+from kvplan.plan import CompressionPlan
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class RunResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int                 # forward passes after prefill
+    finish_reason: str                # "eos" | "length" | "cancelled"
+    layers: list[LayerBytes] = field(default_factory=list)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(x.kv_bytes for x in self.layers)
+
+    @property
+    def full_kv_bytes(self) -> int:
+        return sum(x.full_kv_bytes for x in self.layers)
+
+
+class Cancelled(Exception):
+    pass
+
+
+def _stop_ids(lm: LoadedModel) -> set[int]:
+    ids = {lm.tokenizer.eos_token_id}
+    gen = getattr(lm.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {i for i in ids if i is not None}
+
+
+class Runner:
+    def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, prefill_chunk: int = 512):
+        self.lm = lm
+        self.storage_dtype = storage_dtype
+        self.prefill_chunk = prefill_chunk
+        self.stop_ids = _stop_ids(lm)
+
+    def new_cache(self, plan: CompressionPlan) -> PlannedCache:
+        lm = self.lm
+        return PlannedCache(plan, lm.num_layers, lm.num_kv_heads, lm.head_dim, self.storage_dtype)
+
+    @torch.inference_mode()
+    def run(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling,
+            emit: Callable[[str, object], None] = lambda kind, x: None,
+            cancelled: Callable[[], bool] = lambda: False) -> RunResult:
+        """emit("progress", (done, total)) during prefill; emit("delta", (text, ids)) per token."""
+        cache = self.new_cache(plan)
+        sampler = Sampler(sampling.temperature, sampling.top_p, sampling.seed)
+        t0 = time.perf_counter()
+        logits = self._prefill(prompt, cache, emit, cancelled)
+        prefill_s = time.perf_counter() - t0
+
+        generated: list[int] = []
+        text, finish, steps = "", "length", 0
+        pos = prompt.num_tokens
+        t1 = time.perf_counter()
+        while True:
+            tok = sampler(logits)
+            if tok in self.stop_ids:
+                finish = "eos"
+                break
+            generated.append(tok)
+            new_text = self.lm.tokenizer.decode(generated, skip_special_tokens=True)
+            if not new_text.endswith("\ufffd"):          # wait for a whole UTF-8 character
+                emit("delta", (new_text[len(text):], [tok]))
+                text = new_text
+            if len(generated) >= sampling.max_new_tokens:
+                break
+            if cancelled():
+                finish = "cancelled"
+                break
+            logits = self._forward([tok], pos, cache)
+            pos += 1
+            steps += 1
+        decode_s = time.perf_counter() - t1
+        text = self.lm.tokenizer.decode(generated, skip_special_tokens=True)
+        return RunResult(text, generated, prompt.num_tokens, prefill_s, decode_s, steps, finish, cache.layer_bytes())
+
+    def _prefill(self, prompt: Prompt, cache: PlannedCache, emit, cancelled) -> torch.Tensor:
+        """The context first, then the question (appended after the context's compression)."""
+        total, done, logits = prompt.num_tokens, 0, None
+        for part in (prompt.context_ids, prompt.question_ids):
+            for start in range(0, len(part), self.prefill_chunk):
+                if cancelled():
+                    raise Cancelled()
+                chunk = part[start:start + self.prefill_chunk]
+                logits = self._forward(chunk, done, cache)
+                done += len(chunk)
+                emit("progress", (done, total))
+        return logits
+
+    def _forward(self, ids: list[int], start: int, cache: PlannedCache) -> torch.Tensor:
+        """ids: the new tokens at positions start.. -> logits of the last one, [V]."""
+        input_ids = torch.tensor([ids], dtype=torch.long)                      # [1, T_new]
+        position_ids = torch.arange(start, start + len(ids)).unsqueeze(0)       # [1, T_new]
+        out = self.lm.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]                                                # [V]

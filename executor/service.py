@@ -1,0 +1,159 @@
+"""Executor service: Generate (stream), SubmitJob, GetJob, WatchJob, CancelJob.
+
+Every job goes through the job queue (Generate is SubmitJob + WatchJob), so a job is never
+lost with the executor that took the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+
+import grpc
+import torch
+
+from executor import prompt as prompts
+from executor import validation
+from executor.jobqueue import open_backend
+from executor.planner_client import PlannerClient
+from executor.runner import Runner
+from executor.worker import TERMINAL, Worker
+from kvplan import model as models
+from kvplan.config import ExecutorConfig, ModelConfig
+from kvplan.serving import Service
+from planner.request import InvalidRequest
+from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc
+
+log = logging.getLogger("kvplan.executor")
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, cfg: ExecutorConfig, model_cfg: ModelConfig):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.executor_id = cfg.executor_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.backend = open_backend(cfg.redis_url, claim_idle_ms=cfg.claim_idle_ms)
+        self.planner = PlannerClient(cfg.planner_addr, cfg.plan_deadline_s)
+        self.runner: Runner | None = None
+        self.worker: Worker | None = None
+        self._worker_task: asyncio.Task | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def warmup(self) -> None:
+        await self.backend.open()
+        lm = await asyncio.to_thread(models.load, self.model_cfg)
+        self.runner = Runner(lm, getattr(torch, self.model_cfg.storage_dtype), self.cfg.prefill_chunk)
+        self.worker = Worker(self.cfg, self.backend, self.runner, self.planner, self.executor_id)
+        self._worker_task = asyncio.create_task(self.worker.run_forever())
+        log.info("executor %s ready (model %s, queue %s)", self.executor_id, lm.path.name,
+                 "redis" if self.cfg.redis_url else "in-process")
+
+    async def stop(self) -> None:
+        if self.worker:
+            self.worker.stop()
+        if self._worker_task:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._worker_task), self.cfg.grace_s)
+            except asyncio.TimeoutError:
+                self._worker_task.cancel()    # unacked: another executor re-claims it
+        await self.planner.close()
+        await self.backend.close()
+
+    # -- RPCs -------------------------------------------------------------------------------
+    async def SubmitJob(self, req: pb.GenerateRequest, context) -> pb.JobStatus:
+        return await self._submit(req, context)
+
+    async def GetJob(self, ref: pb.JobRef, context) -> pb.JobStatus:
+        return await self._status(ref, context)
+
+    async def CancelJob(self, ref: pb.JobRef, context) -> pb.JobStatus:
+        status = await self._status(ref, context)
+        if status.state in TERMINAL:
+            return status
+        await self.backend.cancel(ref.job_id)
+        if status.state == pb.QUEUED:     # no executor has it yet: cancel right away
+            status.state = pb.CANCELLED
+            await self.backend.set_status(ref.job_id, status.SerializeToString())
+            await self.backend.append_event(ref.job_id, pb.JobEvent(
+                job_id=ref.job_id, status=status).SerializeToString())
+        return status
+
+    async def WatchJob(self, ref: pb.JobRef, context):
+        await self._status(ref, context)       # NOT_FOUND for unknown jobs
+        async for ev in self._follow(ref.job_id):
+            yield ev
+
+    async def Generate(self, req: pb.GenerateRequest, context):
+        status = await self._submit(req, context)
+        finished = False
+        try:
+            async for ev in self._follow(status.job_id):
+                yield ev
+            finished = True
+        finally:
+            if not finished:                   # the client went away: don't burn CPU for nobody
+                await self.backend.cancel(status.job_id)
+
+    # -- helpers ------------------------------------------------------------------------------
+    async def _submit(self, req: pb.GenerateRequest, context) -> pb.JobStatus:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is warming up (loading the model)")
+        try:
+            checked = validation.check(req, self.cfg.default_max_new_tokens)
+            validation.check_strategy(req.strategy, await self.planner.strategies())
+            lm = self.runner.lm
+            prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
+            validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        job_id = uuid.uuid4().hex
+        status = pb.JobStatus(job_id=job_id, state=pb.QUEUED, submitted_at=time.time())
+        await self.backend.submit(job_id, req.SerializeToString(), status.SerializeToString())
+        await self.backend.append_event(job_id, pb.JobEvent(job_id=job_id, status=status).SerializeToString())
+        log.info("job %s: queued (%d prompt tokens)", job_id, prompt.num_tokens)
+        return status
+
+    async def _status(self, ref: pb.JobRef, context) -> pb.JobStatus:
+        if not ref.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: must not be empty")
+        raw = await self.backend.status(ref.job_id)
+        if raw is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {ref.job_id!r} (unknown or expired)")
+        return pb.JobStatus.FromString(raw)
+
+    async def _follow(self, job_id: str):
+        """Replay the job's events, then follow them until the job ends."""
+        after, idle_checks = "0", 0
+        while True:
+            batch = await self.backend.events(job_id, after, block_ms=1000)
+            for eid, raw in batch:
+                after = eid
+                ev = pb.JobEvent.FromString(raw)
+                yield ev
+                if ev.WhichOneof("kind") == "result" or (
+                        ev.WhichOneof("kind") == "status" and ev.status.state in TERMINAL):
+                    return
+            if batch:
+                idle_checks = 0
+                continue
+            raw_status = await self.backend.status(job_id)
+            if raw_status is None:
+                return                                  # expired while watching
+            status = pb.JobStatus.FromString(raw_status)
+            if status.state in TERMINAL:
+                idle_checks += 1
+                if idle_checks > 1:                     # its final event is gone (expired log)
+                    yield pb.JobEvent(job_id=job_id, attempt=status.attempts, status=status)
+                    return
+
+
+def build_service(cfg: ExecutorConfig, model_cfg: ModelConfig) -> Service:
+    servicer = ExecutorServicer(cfg, model_cfg)
+    return Service(
+        name="executor", full_names=["kvplan.v1.Executor"],
+        register=lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
+        warmup=servicer.warmup, stop=servicer.stop,
+    )

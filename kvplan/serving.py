@@ -1,0 +1,169 @@
+"""Serving plumbing every kvplan service shares: grpc.aio server, health, reflection, metrics,
+raised message limits, graceful shutdown on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Histogram, start_http_server
+
+from kvplan.config import ServiceConfig
+
+log = logging.getLogger("kvplan.serving")
+
+RPCS = Counter("kvplan_rpcs_total", "RPCs handled", ["service", "method", "code"])
+RPC_SECONDS = Histogram("kvplan_rpc_seconds", "RPC handling time", ["service", "method"])
+
+
+def channel_options(max_message_mb: int = 256) -> list[tuple[str, int]]:
+    limit = max_message_mb << 20
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class _MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts RPCs by method and status code; times unary ones."""
+
+    def __init__(self, service: str):
+        self.service = service
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rsplit("/", 1)[-1]
+        service = self.service
+
+        def wrap_unary(fn):
+            async def run(request, context):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(request, context)
+                finally:
+                    RPC_SECONDS.labels(service, method).observe(time.perf_counter() - t0)
+                    RPCS.labels(service, method, _code_name(context)).inc()
+            return run
+
+        def wrap_stream(fn):
+            async def run(request, context):
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                finally:
+                    RPCS.labels(service, method, _code_name(context)).inc()
+            return run
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+def _code_name(context) -> str:
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "OK" if code in (None, 0) else str(code)
+
+
+@dataclass
+class Service:
+    """One kvplan service: its servicer registrations, its warm-up, and its names."""
+
+    name: str                                   # e.g. "executor"
+    full_names: list[str]                       # e.g. ["kvplan.v1.Executor"]
+    register: Callable[[grpc.aio.Server], None]
+    warmup: Callable[[], Awaitable[None]] | None = None
+    stop: Callable[[], Awaitable[None]] | None = None
+    health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
+    warm_task: asyncio.Task | None = None
+
+
+async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server for `svc`; returns (server, bound port).
+
+    Health reports NOT_SERVING until the service's warm-up is done; the warm-up runs in the
+    background so a slow model load never hides the health endpoint.
+    """
+    server = grpc.aio.server(options=channel_options(cfg.max_message_mb), interceptors=[_MetricsInterceptor(svc.name)])
+    svc.register(server)
+    health_pb2_grpc.add_HealthServicer_to_server(svc.health, server)
+    reflection.enable_server_reflection([reflection.SERVICE_NAME, health.SERVICE_NAME, *svc.full_names], server)
+    port = server.add_insecure_port(cfg.address)
+    for name in ["", *svc.full_names]:
+        await svc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    if with_metrics:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+
+    async def warm():
+        try:
+            if svc.warmup:
+                await svc.warmup()
+        except Exception:
+            log.exception("%s failed to warm up; it stays NOT_SERVING", svc.name)
+            return
+        for name in ["", *svc.full_names]:
+            await svc.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s serving on %s:%d", svc.name, cfg.host, port)
+
+    svc.warm_task = asyncio.create_task(warm())
+    return server, port
+
+
+async def shutdown(server: grpc.aio.Server, svc: Service, grace_s: float) -> None:
+    await svc.health.enter_graceful_shutdown()
+    if svc.warm_task and not svc.warm_task.done():
+        svc.warm_task.cancel()
+    await server.stop(grace_s)
+    if svc.stop:
+        await svc.stop()
+
+
+async def serve_forever(svc: Service, cfg: ServiceConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully: in-flight RPCs get `grace_s`."""
+    server, _ = await start(svc, cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s stopping (grace %.1fs)", svc.name, cfg.grace_s)
+    await shutdown(server, svc, cfg.grace_s)
+
+
+async def wait_serving(address: str, timeout_s: float, service: str = "") -> bool:
+    """Poll grpc.health.v1 at `address` until SERVING or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    return False
+
+
+def check_health(address: str, timeout_s: float = 2.0, service: str = "") -> str:
+    """One synchronous health check: "SERVING", "NOT_SERVING", or "DOWN"."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError:
+            return "DOWN"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,74 @@
+"""What a strategy plans from: the job's budget and the model's shape, validated."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import planner_pb2
+
+
+class InvalidRequest(ValueError):
+    """Bad input; `field` names the request field at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    num_query_heads: int
+    head_dim: int
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    job_id: str
+    strategy: str                  # resolved name, never empty
+    prompt_tokens: int
+    model: ModelShape
+    reserve_ratio: float | None = None   # exactly one of reserve_ratio / kv_tokens is set
+    kv_tokens: int | None = None
+    profile: str = ""
+    tenant: str = ""
+
+    @property
+    def target_ratio(self) -> float:
+        """The budget as a share of the full cache (token budgets above the prompt cap at 1)."""
+        if self.reserve_ratio is not None:
+            return self.reserve_ratio
+        return min(1.0, self.kv_tokens / max(1, self.prompt_tokens))
+
+
+def validate_budget(budget, field: str = "budget") -> tuple[float | None, int | None]:
+    """(reserve_ratio, kv_tokens) from a `kvplan.v1.Budget`; unset means reserve_ratio 1.0."""
+    kind = budget.WhichOneof("kind")
+    if kind == "kv_tokens":
+        if budget.kv_tokens < 1:
+            raise InvalidRequest(f"{field}.kv_tokens", f"must be >= 1, got {budget.kv_tokens}")
+        return None, int(budget.kv_tokens)
+    if kind == "reserve_ratio":
+        r = budget.reserve_ratio
+        if not 0.0 < r <= 1.0:
+            raise InvalidRequest(f"{field}.reserve_ratio", f"must be in (0, 1], got {r:g}")
+        return float(r), None
+    return 1.0, None
+
+
+def parse(req: planner_pb2.PlanRequest, strategy: str) -> PlanInput:
+    m = req.model
+    for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
+        if getattr(m, name) < 1:
+            raise InvalidRequest(f"model.{name}", f"must be >= 1, got {getattr(m, name)}")
+    if m.num_query_heads % m.num_kv_heads:
+        raise InvalidRequest("model.num_query_heads", "must be a multiple of model.num_kv_heads")
+    if req.prompt_tokens < 0:
+        raise InvalidRequest("prompt_tokens", f"must be >= 0, got {req.prompt_tokens}")
+    ratio, tokens = validate_budget(req.budget)
+    return PlanInput(
+        job_id=req.job_id, strategy=strategy, prompt_tokens=int(req.prompt_tokens),
+        model=ModelShape(m.num_layers, m.num_kv_heads, m.num_query_heads, m.head_dim, m.fingerprint),
+        reserve_ratio=ratio, kv_tokens=tokens, profile=req.profile, tenant=req.tenant,
+    )

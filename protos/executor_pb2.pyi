@@ -1,0 +1,162 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    QUEUED: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    DONE: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+    CANCELLED: _ClassVar[JobState]
+JOB_STATE_UNSPECIFIED: JobState
+QUEUED: JobState
+RUNNING: JobState
+DONE: JobState
+FAILED: JobState
+CANCELLED: JobState
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    question: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    strategy: str
+    budget: _common_pb2.Budget
+    tenant: str
+    profile: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ...) -> None: ...
+
+class JobRef(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class LayerStats(_message.Message):
+    __slots__ = ("layer", "kept_tokens", "kv_bytes", "full_kv_bytes", "kind")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FULL_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    kept_tokens: int
+    kv_bytes: int
+    full_kv_bytes: int
+    kind: str
+    def __init__(self, layer: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FULL_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    strategy: str
+    plan_id: str
+    prompt_tokens: int
+    generated_tokens: int
+    kv_bytes: int
+    full_kv_bytes: int
+    reserve_ratio: float
+    prefill_s: float
+    decode_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    degraded: bool
+    per_layer: _containers.RepeatedCompositeFieldContainer[LayerStats]
+    finish_reason: str
+    executor_id: str
+    storage_dtype: str
+    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "executor_id", "attempts", "generated_tokens", "error", "result", "submitted_at")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    executor_id: str
+    attempts: int
+    generated_tokens: int
+    error: str
+    result: JobResult
+    submitted_at: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., executor_id: _Optional[str] = ..., attempts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., error: _Optional[str] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., submitted_at: _Optional[float] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("phase", "done", "total")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    done: int
+    total: int
+    def __init__(self, phase: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("job_id", "attempt", "status", "progress", "delta", "result")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    status: JobStatus
+    progress: Progress
+    delta: TokenDelta
+    result: JobResult
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ...) -> None: ...

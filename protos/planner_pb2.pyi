@@ -1,0 +1,72 @@
+from protos import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelShape(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "num_query_heads", "head_dim", "fingerprint")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERY_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    num_query_heads: int
+    head_dim: int
+    fingerprint: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class PlanRequest(_message.Message):
+    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    tenant: str
+    strategy: str
+    budget: _common_pb2.Budget
+    prompt_tokens: int
+    model: ModelShape
+    profile: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListStrategiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StrategyInfo(_message.Message):
+    __slots__ = ("name", "version", "description", "active")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    description: str
+    active: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., active: _Optional[bool] = ...) -> None: ...
+
+class StrategyList(_message.Message):
+    __slots__ = ("strategies", "active")
+    STRATEGIES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    strategies: _containers.RepeatedCompositeFieldContainer[StrategyInfo]
+    active: str
+    def __init__(self, strategies: _Optional[_Iterable[_Union[StrategyInfo, _Mapping]]] = ..., active: _Optional[str] = ...) -> None: ...
+
+class SetStrategyRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,98 @@
+"""Shared fixtures: a real redis-server on a free port, the real model, a tiny random model."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvplan.config import ModelConfig, from_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server, started for this test session on its own port."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("redis-server did not start")
+        time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def redis_db(redis_url):
+    """The session's Redis, flushed for this test."""
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    r.close()
+    return redis_url
+
+
+@pytest.fixture(scope="session")
+def model_cfg() -> ModelConfig:
+    """The real model's config (KVPLAN_CACHE_DIR as the developer or CI set it)."""
+    return from_env(ModelConfig)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(model_cfg) -> Path:
+    from kvplan import model
+    return model.prepare(model_cfg)
+
+
+@pytest.fixture(scope="session")
+def real_model(model_cfg):
+    from kvplan import model
+    return model.load(model_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
+    """A 2-layer random Llama (GQA 4:2, head dim 16) with the real tokenizer: fast unit tests."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir, model_cfg):
+    import dataclasses
+    from kvplan import model
+    return model.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir)))

@@ -1,0 +1,126 @@
+"""The executor over real gRPC on 127.0.0.1 with the real model: the three servicers in one
+process (the embedded default), the job API, bad input, hot strategy swap, planner fallback."""
+import dataclasses
+import time
+
+import grpc
+import pytest
+
+from kvplan.client import ExecutorClient, PlannerClient, request
+from kvplan.embedded import Embedded
+from planner import strategies
+from protos import executor_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cfg, real_model_dir):
+    # A second strategy to swap to: `full` under another name (the swap, not the plan, is tested).
+    strategies.STRATEGIES["full-b"] = dataclasses.replace(strategies.STRATEGIES["full"], name="full-b", version="2")
+    try:
+        with Embedded(model_cfg) as e:
+            yield e
+    finally:
+        strategies.STRATEGIES.pop("full-b")
+
+
+@pytest.fixture
+def client(cluster):
+    with ExecutorClient(cluster.executor_addr, timeout_s=300) as c:
+        yield c
+
+
+def test_generate_answers_with_full_kv_and_real_bytes(client, real_model):
+    st = client.run(request("What is the capital of France?", max_new_tokens=16))
+    r = st.result
+    assert "Paris" in r.text and st.text == r.text
+    assert r.strategy == "full" and r.plan_id and not r.degraded and r.finish_reason in ("eos", "length")
+    # every generated token is fed back, except the last one when the length limit stopped it
+    tokens = r.prompt_tokens + r.generated_tokens - (r.finish_reason == "length")
+    row = real_model.num_kv_heads * real_model.head_dim * 2  # fp16
+    assert r.kv_bytes == r.full_kv_bytes == 2 * real_model.num_layers * tokens * row
+    assert r.reserve_ratio == 1.0 and r.storage_dtype == "float16"
+    assert len(r.per_layer) == real_model.num_layers
+    assert sum(x.kv_bytes for x in r.per_layer) == r.kv_bytes
+    assert all(x.kept_tokens == tokens for x in r.per_layer)
+    assert r.prefill_s > 0 and r.generated_tokens >= 1
+
+
+def test_question_is_answered_from_the_context(client):
+    from kvplan.cli import DEMO_CONTEXT, DEMO_QUESTION
+    st = client.run(request(DEMO_CONTEXT, question=DEMO_QUESTION, max_new_tokens=48))
+    assert "Ines Rocha" in st.result.text
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", max_new_tokens=-5), "max_new_tokens"),
+    (dict(prompt="hi", strategy="no-such-strategy"), "strategy"),
+    (dict(prompt="hi", reserve_ratio=0.0), "budget.reserve_ratio"),
+    (dict(prompt="hi", reserve_ratio=1.5), "budget.reserve_ratio"),
+    (dict(prompt="word " * 9000), "prompt"),                   # beyond the model's 8192-token context
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD, ids=[f for _, f in BAD])
+def test_bad_input_is_invalid_argument_naming_the_field_and_service_keeps_serving(client, kwargs, field):
+    prompt = kwargs.pop("prompt")
+    for call in (client.submit, lambda req: list(client.generate(req))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(request(prompt, **kwargs))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(field + ":"), e.value.details()
+    st = client.run(request("Say hi.", max_new_tokens=2))    # still serving
+    assert st.result is not None and st.result.generated_tokens >= 1
+
+
+def test_job_api_submit_watch_get(client):
+    status = client.submit(request("Name three colors.", max_new_tokens=8))
+    assert status.state == pb.QUEUED and status.job_id
+    kinds, text, result = [], "", None
+    for ev in client.watch(status.job_id):
+        kinds.append(ev.WhichOneof("kind"))
+        text += ev.delta.text if ev.HasField("delta") else ""
+        result = ev.result if ev.HasField("result") else result
+    assert kinds[0] == "status" and kinds[-1] == "result" and "delta" in kinds
+    assert result.text == text
+    got = client.get(status.job_id)
+    assert got.state == pb.DONE and got.result.text == text and got.attempts == 1
+    replay = list(client.watch(status.job_id))                # a finished job replays in full
+    assert replay[-1].result.text == text
+    with pytest.raises(grpc.RpcError) as e:
+        client.get("no-such-job")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cancel_a_running_job(client):
+    status = client.submit(request("Write a very long story about a dragon.", max_new_tokens=400))
+    for ev in client.watch(status.job_id):
+        if ev.HasField("delta"):
+            client.cancel(status.job_id)
+            break
+    deadline = time.monotonic() + 30
+    while client.get(status.job_id).state not in (pb.CANCELLED, pb.DONE) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    got = client.get(status.job_id)
+    assert got.state == pb.CANCELLED and got.generated_tokens < 400
+
+
+def test_set_strategy_changes_the_next_job_without_restart(cluster, client):
+    with PlannerClient(cluster.planner_addr) as planner:
+        before = client.run(request("Hi", max_new_tokens=2)).result
+        assert before.strategy == "full"
+        planner.set_strategy("full-b")
+        try:
+            after = client.run(request("Hi", max_new_tokens=2)).result
+            assert after.strategy == "full-b" and after.plan_id != before.plan_id
+        finally:
+            planner.set_strategy("full")
+
+
+def test_executor_falls_back_to_a_local_plan_when_the_planner_is_down(model_cfg, monkeypatch):
+    from tests.conftest import free_port
+    monkeypatch.setenv("KVPLAN_PLAN_DEADLINE_S", "1")
+    with Embedded(model_cfg, planner_addr=f"127.0.0.1:{free_port()}") as dead:
+        with ExecutorClient(dead.executor_addr, timeout_s=120) as c:
+            st = c.run(request("What is the capital of France?", max_new_tokens=8))
+    assert st.result.degraded and st.result.strategy == "full" and "Paris" in st.result.text

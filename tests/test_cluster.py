@@ -1,0 +1,130 @@
+"""Integration: real processes, real Redis, real gRPC on 127.0.0.1.
+
+- an executor killed while it holds a job: a second executor re-claims and finishes it, and
+  the client watching the job gets the result;
+- `kvplan up` / `generate` / `down` from the CLI: the answer, and no process left behind.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvplan.client import ExecutorClient, fold, request, Stream
+from kvplan.serving import check_health
+from protos import executor_pb2 as pb
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _start(module: str, env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+
+def _wait_serving(addr: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while check_health(addr) != "SERVING":
+        assert proc.poll() is None, f"{proc.args} exited:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{addr} not SERVING:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def services(redis_db, tmp_path, real_model_dir):
+    ports = {name: free_port() for name in ("planner", "cachestore", "exec-a", "exec-b")}
+    env = dict(os.environ, KVPLAN_REDIS_URL=redis_db,
+               KVPLAN_PLANNER_PORT=str(ports["planner"]), KVPLAN_PLANNER_METRICS_PORT=str(free_port()),
+               KVPLAN_CACHESTORE_PORT=str(ports["cachestore"]), KVPLAN_CACHESTORE_METRICS_PORT=str(free_port()),
+               KVPLAN_PLANNER_ADDR=f"127.0.0.1:{ports['planner']}",
+               KVPLAN_CACHESTORE_ADDR=f"127.0.0.1:{ports['cachestore']}",
+               KVPLAN_CLAIM_IDLE_MS="3000", KVPLAN_HEARTBEAT_MS="500")
+    procs = []
+
+    def start(module: str, name: str, **extra) -> tuple[subprocess.Popen, str]:
+        log = tmp_path / f"{name}.log"
+        p = _start(module, {**env, **extra}, log)
+        procs.append(p)
+        addr = f"127.0.0.1:{ports[name]}"
+        _wait_serving(addr, p, log)
+        return p, addr
+
+    start("planner", "planner")
+    start("cachestore", "cachestore")
+    yield lambda name: start("executor", name, KVPLAN_EXECUTOR_ID=name, KVPLAN_EXECUTOR_PORT=str(ports[name]),
+                             KVPLAN_EXECUTOR_METRICS_PORT=str(free_port()))
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_a_job_survives_the_executor_that_held_it(services):
+    proc_a, addr_a = services("exec-a")
+    seen = Stream()
+    with ExecutorClient(addr_a, timeout_s=120) as a:
+        job = a.submit(request("Write a long story about a dragon who learns to sing.", max_new_tokens=160))
+        for ev in a.watch(job.job_id):
+            fold(seen, ev)
+            if ev.HasField("delta"):           # exec-a holds the job and is generating
+                break
+        assert a.get(job.job_id).state == pb.RUNNING and a.get(job.job_id).executor_id == "exec-a"
+    proc_a.send_signal(signal.SIGKILL)
+    proc_a.wait(10)
+
+    _, addr_b = services("exec-b")
+    with ExecutorClient(addr_b, timeout_s=240) as b:
+        for ev in b.watch(job.job_id):          # replays attempt 1, then follows attempt 2
+            fold(seen, ev)
+        final = b.get(job.job_id)
+    assert seen.result is not None, "the client got no result"
+    assert final.state == pb.DONE and final.attempts == 2
+    assert seen.result.executor_id == "exec-b" == final.result.executor_id
+    assert seen.attempt == 2 and seen.text == seen.result.text and seen.result.generated_tokens > 0
+
+
+def _kvplan(*args, env, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvplan.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_kvplan_up_generate_down(tmp_path, real_model_dir):
+    env = dict(os.environ, KVPLAN_STATE_DIR=str(tmp_path / "state"))
+    for name in ("PLANNER", "CACHESTORE", "EXECUTOR"):
+        env[f"KVPLAN_{name}_PORT"] = str(free_port())
+        env[f"KVPLAN_{name}_METRICS_PORT"] = str(free_port())
+    for k in ("KVPLAN_REDIS_URL", "KVPLAN_EXECUTOR_ADDR", "KVPLAN_PLANNER_ADDR", "KVPLAN_CACHESTORE_ADDR"):
+        env.pop(k, None)
+    up = _kvplan("up", env=env)
+    assert up.returncode == 0, up.stderr
+    try:
+        members = json.loads((tmp_path / "state" / "cluster.json").read_text())["members"]
+        assert {m["name"] for m in members} == {"redis", "planner", "cachestore", "executor"}
+        status = _kvplan("status", env=env)
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 3, status.stdout
+        gen = _kvplan("generate", "--json", "--max-new-tokens", "16", "What is the capital of France?", env=env)
+        assert gen.returncode == 0, gen.stderr
+        out = json.loads(gen.stdout)                       # exactly one JSON object on stdout
+        assert "Paris" in out["text"] and out["reserve_ratio"] == 1.0 and out["strategy"] == "full"
+        assert out["kv_bytes"] == out["full_kv_bytes"] == sum(x["kv_bytes"] for x in out["per_layer"]) > 0
+        assert out["executor_id"] != "" and "embedded" not in gen.stderr     # the cluster ran it
+        bad = _kvplan("generate", "--ratio", "1.5", "hi", env=env)
+        assert bad.returncode == 2 and "budget.reserve_ratio" in bad.stderr
+    finally:
+        down = _kvplan("down", env=env)
+    assert down.returncode == 0, down.stderr
+    time.sleep(0.2)
+    alive = [m for m in members if psutil.pid_exists(m["pid"])
+             and psutil.Process(m["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still running after `kvplan down`: {alive}"
+    assert _kvplan("status", env=env).returncode == 1
