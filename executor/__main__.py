@@ -1,5 +1,7 @@
 """`python -m executor`: serve until SIGTERM/SIGINT (settings: KVPLAN_* env)."""
+import sys
+
 from kvplan.launch import run
 
 if __name__ == "__main__":
-    run("executor")
+    sys.exit(run("executor"))

@@ -55,10 +55,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self.worker:
             self.worker.stop()
         if self._worker_task:
-            try:
+            try:      # the running job gets the grace period to finish ...
                 await asyncio.wait_for(asyncio.shield(self._worker_task), self.cfg.grace_s)
             except asyncio.TimeoutError:
-                self._worker_task.cancel()    # unacked: another executor re-claims it
+                self.worker.abandon()         # ... then stops un-acked: another executor re-claims it
+                await asyncio.wait({self._worker_task}, timeout=30)
         await self.planner.close()
         await self.backend.close()
 

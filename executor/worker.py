@@ -34,7 +34,8 @@ TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 
 
 class LostClaim(Exception):
-    """Another executor took the job over."""
+    """Another executor took the job over, or this one is shutting down: write nothing, and
+    leave the queue entry un-acked so that a live executor re-claims it."""
 
 
 class Worker:
@@ -43,6 +44,7 @@ class Worker:
         self.cfg, self.backend, self.runner, self.planner = cfg, backend, runner, planner
         self.executor_id = executor_id
         self._stopping = asyncio.Event()
+        self._abandon = threading.Event()     # set at shutdown: stop the running job, keep it queued
 
     async def run_forever(self) -> None:
         while not self._stopping.is_set():
@@ -57,7 +59,12 @@ class Worker:
                 await asyncio.sleep(1.0)
 
     def stop(self) -> None:
+        """Claim nothing new; the running job may finish."""
         self._stopping.set()
+
+    def abandon(self) -> None:
+        """Stop the running job now without ending it (another executor re-claims it)."""
+        self._abandon.set()
 
     async def process(self, claim: Claim) -> None:
         job_id = claim.job_id
@@ -82,7 +89,8 @@ class Worker:
         try:
             result = await self._run(claim, pb.GenerateRequest.FromString(raw_req), status)
         except LostClaim:
-            log.warning("job %s: taken over by another executor; dropping this run", job_id)
+            log.warning("job %s: dropping this run (%s)", job_id,
+                        "executor shutting down" if self._abandon.is_set() else "taken over by another executor")
             return
         except Cancelled:
             return await self._end(claim, status, pb.CANCELLED)
@@ -136,7 +144,7 @@ class Worker:
         async def heartbeat() -> None:
             while True:
                 await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
-                if not await self.backend.heartbeat(claim, self.executor_id):
+                if self._abandon.is_set() or not await self.backend.heartbeat(claim, self.executor_id):
                     lost["flag"] = True
                     stop_flag.set()
                     return

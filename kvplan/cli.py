@@ -117,8 +117,7 @@ def _dispatch(args) -> int:
 
 def _serve(service: str) -> int:
     from kvplan.launch import run
-    run(service)
-    return 0
+    return run(service)
 
 
 @contextlib.contextmanager

@@ -56,11 +56,12 @@ class Stream:
     status: executor_pb2.JobStatus | None = None
 
 
-class ExecutorClient:
-    def __init__(self, address: str, timeout_s: float = 3600.0):
-        self.timeout_s = timeout_s
+class _Client:
+    stub_class = None
+
+    def __init__(self, address: str):
         self.channel = grpc.insecure_channel(address, options=channel_options())
-        self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
+        self.stub = self.stub_class(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -70,6 +71,14 @@ class ExecutorClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class ExecutorClient(_Client):
+    stub_class = executor_pb2_grpc.ExecutorStub
+
+    def __init__(self, address: str, timeout_s: float = 3600.0):
+        super().__init__(address)
+        self.timeout_s = timeout_s
 
     def generate(self, req: executor_pb2.GenerateRequest) -> Iterator[executor_pb2.JobEvent]:
         return self.stub.Generate(req, timeout=self.timeout_s)
@@ -111,19 +120,8 @@ def fold(st: Stream, ev: executor_pb2.JobEvent) -> None:
             st.result = ev.status.result
 
 
-class PlannerClient:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=channel_options())
-        self.stub = planner_pb2_grpc.PlannerStub(self.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+class PlannerClient(_Client):
+    stub_class = planner_pb2_grpc.PlannerStub
 
     def strategies(self) -> planner_pb2.StrategyList:
         return self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=10)

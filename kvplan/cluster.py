@@ -101,7 +101,7 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
                                  "--appendonly", "no", "--dir", str(d)], env, d)
             redis_url = f"redis://127.0.0.1:{port}/0"
             members.append(Member("redis", p.pid, redis_url))
-            _wait_redis(port)
+            wait_redis(port)
         env["KVPLAN_REDIS_URL"] = redis_url
         if not redis_url:
             echo("kvplan: redis-server not installed; the executor keeps its job queue in process")
@@ -128,7 +128,7 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
     return members
 
 
-def _wait_redis(port: int, timeout_s: float = 10.0) -> None:
+def wait_redis(port: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -62,11 +62,10 @@ class Embedded:
         ecfg = dataclasses.replace(from_env(ExecutorConfig), redis_url="", planner_addr=self.planner_addr,
                                    cachestore_addr=self.addresses["cachestore"], **local)
         await self._add("executor", executor_service(ecfg, self.model_cfg), ecfg)
-        for name, addr in self.addresses.items():
-            if name == "planner" and self.external_planner:
-                continue
-            if not await serving.wait_serving(addr, self.ready_timeout_s):
-                raise RuntimeError(f"embedded {name} did not become SERVING in {self.ready_timeout_s:.0f}s")
+        for _, svc in self._servers:
+            error = await asyncio.wait_for(svc.warm_task, self.ready_timeout_s)
+            if error is not None:
+                raise RuntimeError(f"embedded {svc.name} failed to start: {error}")
 
     async def _add(self, name: str, svc: serving.Service, cfg) -> None:
         server, port = await serving.start(svc, cfg, with_metrics=False)

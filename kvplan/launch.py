@@ -18,11 +18,11 @@ def build(name: str, cfg):
     return build_service(cfg, from_env(ModelConfig)) if name == "executor" else build_service(cfg)
 
 
-def run(name: str) -> None:
+def run(name: str) -> int:
     cfg = from_env(CONFIGS[name])
     configure_logging(cfg.log_level.upper())
 
-    async def main():
-        await serve_forever(build(name, cfg), cfg)
+    async def main() -> int:
+        return await serve_forever(build(name, cfg), cfg)
 
-    asyncio.run(main())
+    return asyncio.run(main())

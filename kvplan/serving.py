@@ -83,7 +83,7 @@ class Service:
     warmup: Callable[[], Awaitable[None]] | None = None
     stop: Callable[[], Awaitable[None]] | None = None
     health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
-    warm_task: asyncio.Task | None = None
+    warm_task: asyncio.Task | None = None       # resolves to None when warm, or the warm-up's error
 
 
 async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True) -> tuple[grpc.aio.Server, int]:
@@ -103,16 +103,17 @@ async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True) -> 
     if with_metrics:
         start_http_server(cfg.metrics_port, addr=cfg.host)
 
-    async def warm():
+    async def warm() -> Exception | None:
         try:
             if svc.warmup:
                 await svc.warmup()
-        except Exception:
+        except Exception as e:
             log.exception("%s failed to warm up; it stays NOT_SERVING", svc.name)
-            return
+            return e
         for name in ["", *svc.full_names]:
             await svc.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s serving on %s:%d", svc.name, cfg.host, port)
+        return None
 
     svc.warm_task = asyncio.create_task(warm())
     return server, port
@@ -127,16 +128,23 @@ async def shutdown(server: grpc.aio.Server, svc: Service, grace_s: float) -> Non
         await svc.stop()
 
 
-async def serve_forever(svc: Service, cfg: ServiceConfig) -> None:
-    """Run until SIGTERM/SIGINT, then stop gracefully: in-flight RPCs get `grace_s`."""
+async def serve_forever(svc: Service, cfg: ServiceConfig) -> int:
+    """Run until SIGTERM/SIGINT, then stop gracefully: in-flight RPCs get `grace_s`.
+    Returns the exit code: 1 when the warm-up failed (a supervisor should see it, not a
+    process stuck in NOT_SERVING)."""
     server, _ = await start(svc, cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopper, svc.warm_task], return_when=asyncio.FIRST_COMPLETED)
+    failed = svc.warm_task.done() and svc.warm_task.result() is not None
+    if not failed:
+        await stopper
     log.info("%s stopping (grace %.1fs)", svc.name, cfg.grace_s)
     await shutdown(server, svc, cfg.grace_s)
+    return 1 if failed else 0
 
 
 async def wait_serving(address: str, timeout_s: float, service: str = "") -> bool:

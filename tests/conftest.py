@@ -4,11 +4,11 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from kvplan.cluster import wait_redis
 from kvplan.config import ModelConfig, from_env
 
 
@@ -28,19 +28,11 @@ def redis_url(tmp_path_factory):
     d = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("redis-server did not start")
-        time.sleep(0.05)
+    try:
+        wait_redis(port)
+    except RuntimeError:
+        proc.kill()
+        pytest.fail("redis-server did not start")
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)

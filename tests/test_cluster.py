@@ -57,8 +57,9 @@ def services(redis_db, tmp_path, real_model_dir):
 
     start("planner", "planner")
     start("cachestore", "cachestore")
-    yield lambda name: start("executor", name, KVPLAN_EXECUTOR_ID=name, KVPLAN_EXECUTOR_PORT=str(ports[name]),
-                             KVPLAN_EXECUTOR_METRICS_PORT=str(free_port()))
+    yield lambda name, **extra: start("executor", name, KVPLAN_EXECUTOR_ID=name,
+                                      KVPLAN_EXECUTOR_PORT=str(ports[name]),
+                                      KVPLAN_EXECUTOR_METRICS_PORT=str(free_port()), **extra)
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -69,8 +70,11 @@ def services(redis_db, tmp_path, real_model_dir):
             p.kill()
 
 
-def test_a_job_survives_the_executor_that_held_it(services):
-    proc_a, addr_a = services("exec-a")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
+def test_a_job_survives_the_executor_that_held_it(services, sig):
+    """SIGKILL: the executor dies holding the job. SIGTERM with a short grace: it stops the job
+    un-acked and exits. Either way a second executor re-claims the job and finishes it."""
+    proc_a, addr_a = services("exec-a", KVPLAN_GRACE_S="0.5")
     seen = Stream()
     with ExecutorClient(addr_a, timeout_s=120) as a:
         job = a.submit(request("Write a long story about a dragon who learns to sing.", max_new_tokens=160))
@@ -79,8 +83,8 @@ def test_a_job_survives_the_executor_that_held_it(services):
             if ev.HasField("delta"):           # exec-a holds the job and is generating
                 break
         assert a.get(job.job_id).state == pb.RUNNING and a.get(job.job_id).executor_id == "exec-a"
-    proc_a.send_signal(signal.SIGKILL)
-    proc_a.wait(10)
+    proc_a.send_signal(sig)
+    assert proc_a.wait(40) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
 
     _, addr_b = services("exec-b")
     with ExecutorClient(addr_b, timeout_s=240) as b:
