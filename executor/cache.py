@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from executor.layers import LAYER_KINDS
+from executor.layers.full import CacheState, LayerContext
 from kvplan.plan import CompressionPlan
 
 
@@ -19,31 +20,49 @@ class UnsupportedPlan(ValueError):
 class LayerBytes:
     layer: int
     kind: str
-    kept_tokens: int      # tokens held per KV head
+    kept_tokens: int      # tokens held per stored head
     kv_bytes: int         # bytes of every tensor the layer holds
     full_kv_bytes: int    # K and V of every token seen, all KV heads, in the storage dtype
 
 
 class PlannedCache(Cache):
     def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, head_dim: int,
-                 storage_dtype: torch.dtype):
+                 storage_dtype: torch.dtype, num_query_heads: int | None = None,
+                 rope: tuple[torch.Tensor, float] | None = None):
         if len(plan.layers) != num_layers:
             raise UnsupportedPlan(f"plan {plan.plan_id} has {len(plan.layers)} layers, the model {num_layers}")
+        self.state = CacheState()
+        ctx = LayerContext(storage_dtype, num_kv_heads, num_query_heads or num_kv_heads, head_dim,
+                           rope if rope is not None else (torch.ones(head_dim // 2), 1.0), self.state)
         layers = []
         for lp in plan.layers:
             kind = LAYER_KINDS.get(lp.kind)
             if kind is None:
                 raise UnsupportedPlan(f"layer {lp.layer}: kind {lp.kind!r} is not implemented (have {sorted(LAYER_KINDS)})")
-            layers.append(kind(lp, storage_dtype))
+            layers.append(kind(lp, ctx))
         super().__init__(layers=layers)
         self.plan = plan
         self.storage_dtype = storage_dtype
         self.row_bytes = num_kv_heads * head_dim * torch.empty((), dtype=storage_dtype).element_size()
 
+    @property
+    def max_window(self) -> int:
+        """The longest observation window of any layer: the context's last chunk must hold it."""
+        return max((lp.eviction.window for lp in self.plan.layers if lp.eviction), default=0)
+
     def layer_bytes(self) -> list[LayerBytes]:
         """Per layer: bytes of the tensors it holds, against K+V of every token seen in fp16 (batch 1)."""
         return [
-            LayerBytes(i, layer.kind, layer.kept_tokens(), sum(t.nbytes for t in layer.tensors()),
+            LayerBytes(i, _kind(layer), layer.kept_tokens(), sum(t.nbytes for t in layer.tensors()),
                        2 * layer.tokens_seen * self.row_bytes)
             for i, layer in enumerate(self.layers)
         ]
+
+
+def _kind(layer) -> str:
+    """The kind a layer ended up as: a codebook layer none of whose groups were worth coding is
+    reported as `evicted`."""
+    groups = getattr(layer, "groups", None)
+    if layer.kind == "codebook" and groups is not None and not any(g.coded for g in groups):
+        return "evicted"
+    return layer.kind

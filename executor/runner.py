@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from executor import attention
 from executor.cache import LayerBytes, PlannedCache
 from executor.prompt import Prompt
 from executor.sampler import Sampler
@@ -64,10 +65,13 @@ class Runner:
         self.storage_dtype = storage_dtype
         self.prefill_chunk = prefill_chunk
         self.stop_ids = _stop_ids(lm)
+        lm.model.set_attn_implementation(attention.register())     # every layer attends through its cache
 
     def new_cache(self, plan: CompressionPlan) -> PlannedCache:
         lm = self.lm
-        return PlannedCache(plan, lm.num_layers, lm.num_kv_heads, lm.head_dim, self.storage_dtype)
+        rotary = lm.model.model.rotary_emb
+        return PlannedCache(plan, lm.num_layers, lm.num_kv_heads, lm.head_dim, self.storage_dtype,
+                            lm.num_query_heads, (rotary.inv_freq.float(), float(rotary.attention_scaling)))
 
     @torch.inference_mode()
     def run(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling,
@@ -107,22 +111,39 @@ class Runner:
         return RunResult(text, generated, prompt.num_tokens, prefill_s, decode_s, steps, finish, cache.layer_bytes())
 
     def _prefill(self, prompt: Prompt, cache: PlannedCache, emit, cancelled) -> torch.Tensor:
-        """The context first, then the question (appended after the context's compression)."""
+        """The context in chunks; layers compress right after the attention of its last chunk
+        (which holds at least the observation window); then the question, over the compressed
+        cache."""
         total, done, logits = prompt.num_tokens, 0, None
-        for part in (prompt.context_ids, prompt.question_ids):
-            for start in range(0, len(part), self.prefill_chunk):
-                if cancelled():
-                    raise Cancelled()
-                chunk = part[start:start + self.prefill_chunk]
-                logits = self._forward(chunk, done, cache)
-                done += len(chunk)
-                emit("progress", (done, total))
+        cache.state.context_tokens = len(prompt.context_ids)
+        chunks = _chunks(len(prompt.context_ids), self.prefill_chunk, cache.max_window)
+        parts = [(prompt.context_ids[a:b], "compress" if b == len(prompt.context_ids) else "context") for a, b in chunks]
+        parts += [(prompt.question_ids[a:a + self.prefill_chunk], "after")
+                  for a in range(0, len(prompt.question_ids), self.prefill_chunk)]
+        for ids, phase in parts:
+            if cancelled():
+                raise Cancelled()
+            cache.state.phase = phase
+            logits = self._forward(ids, done, cache)
+            done += len(ids)
+            emit("progress", (done, total))
+        cache.state.phase = "after"
         return logits
 
     def _forward(self, ids: list[int], start: int, cache: PlannedCache) -> torch.Tensor:
         """ids: the new tokens at positions start.. -> logits of the last one, [V]."""
         input_ids = torch.tensor([ids], dtype=torch.long)                      # [1, T_new]
         position_ids = torch.arange(start, start + len(ids)).unsqueeze(0)       # [1, T_new]
-        out = self.lm.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
+        with attention.using(cache):
+            out = self.lm.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]                                                # [V]
+
+
+def _chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:
+    """[start, end) spans covering n tokens, `size` each, the last one at least `min_last` long."""
+    bounds = list(range(0, n, size)) + [n]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    while len(spans) > 1 and spans[-1][1] - spans[-1][0] < min_last:
+        spans[-2:] = [(spans[-2][0], spans[-1][1])]
+    return spans

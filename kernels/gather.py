@@ -4,24 +4,14 @@ Three pieces, as for every kernel here: the Triton kernel, its launcher (which c
 dtypes and strides before anything is launched), and the plain-torch reference that defines
 what the kernel must compute. `kernels.dispatch.gather_rows` chooses between them.
 
-Triton is optional: without it this module still imports, `HAS_TRITON` is False, and only the
+Triton is optional (see `kernels._triton`): without it this module still imports and only the
 reference is usable.
 """
 from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is an optional dependency; the reference covers CPU
-    triton = None
-    tl = None
-
-HAS_TRITON = triton is not None
-# Triton picks interpreter or compiler when `@triton.jit` runs, i.e. when this module is
-# imported; TRITON_INTERPRET=1 must be set before that. Recorded here so dispatch agrees.
-INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
+from kernels._triton import HAS_TRITON, INTERPRETED, pow2_at_least, require_triton, tl, triton  # noqa: F401
 
 MAX_BLOCK_D = 1024
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -46,13 +36,6 @@ if HAS_TRITON:
         mask = cols < D
         vals = tl.load(x_ptr + row * stride_xt + cols, mask=mask)
         tl.store(out_ptr + n.to(tl.int64) * stride_on + cols, vals, mask=mask)
-
-
-def _block_d(D: int) -> int:
-    block = 1
-    while block < D and block < MAX_BLOCK_D:
-        block *= 2
-    return block
 
 
 def check_gather_args(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
@@ -90,12 +73,11 @@ def gather_rows_triton(
         assert x.dim() == 2 and idx.dim() == 1, f"x must be [T, D] and idx [N], got {list(x.shape)} and {list(idx.shape)}"
         out = torch.empty((idx.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     check_gather_args(x, idx, out)
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed; use kernels.gather_rows (torch reference on CPU)")
+    require_triton()
     N, D = out.shape
     if N == 0 or D == 0:
         return out
-    block = block_d or _block_d(D)
+    block = block_d or pow2_at_least(D, 1, MAX_BLOCK_D)
     assert block > 0 and block & (block - 1) == 0, f"block_d must be a power of two, got {block}"
     grid = (N, triton.cdiv(D, block))
     _gather_rows_kernel[grid](x, idx, out, D, x.stride(0), out.stride(0), BLOCK_D=block)

@@ -63,7 +63,13 @@ class LayerPlan:
 
     @property
     def kind(self) -> str:
-        """The cache-layer kind the executor builds for this layer (a registry key)."""
+        """The cache-layer kind the executor builds for this layer (a registry key). Parts that
+        stack (merge, quant) name their own kinds, so an executor without them refuses the plan
+        instead of ignoring a part."""
+        if self.merge:
+            return "merge"
+        if self.quant:
+            return "quant"
         if self.codebook:
             return "codebook"
         if self.eviction:

@@ -2,19 +2,41 @@
 deployment) and handed to attention in the compute dtype."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from executor.attention import causal_attention
 from kvplan.plan import LayerPlan
+
+
+@dataclass
+class CacheState:
+    """Where the job is, shared by the cache's layers; set by the runner.
+    phase: "context" (prefilling the part to compress), "compress" (its last chunk: layers
+    compress right after their attention), "after" (question and decode)."""
+    phase: str = "context"
+    context_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    storage_dtype: torch.dtype
+    num_kv_heads: int
+    num_query_heads: int
+    head_dim: int
+    rope: tuple[torch.Tensor, float]          # (inv_freq [D/2], attention_scaling)
+    state: CacheState = field(default_factory=CacheState)
 
 
 class FullLayer(DynamicLayer):
     kind = "full"
 
-    def __init__(self, plan: LayerPlan, storage_dtype: torch.dtype):
+    def __init__(self, plan: LayerPlan, ctx: LayerContext):
         super().__init__()
-        self.plan = plan
-        self.storage_dtype = storage_dtype
+        self.plan, self.ctx = plan, ctx
+        self.storage_dtype = ctx.storage_dtype
         self.tokens_seen = 0            # tokens that passed through this layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -33,6 +55,10 @@ class FullLayer(DynamicLayer):
         if self.storage_dtype == self.dtype:
             return self.keys, self.values
         return self.keys.to(self.dtype), self.values.to(self.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q: [B, H, Tq, D]; k, v: [B, H_kv, T, D] -> [B, Tq, H, D], causal."""
+        return causal_attention(q, k, v, scaling)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (what `kv_bytes` counts)."""

@@ -1,26 +1,19 @@
 """Row gather: the Triton kernel (under TRITON_INTERPRET=1) against the torch reference, the
 launcher's contract, and the dispatch rule.
 
-Triton decides interpreter vs compiler when `@triton.jit` runs, i.e. when `kernels.gather` is
-first imported; other tests import it earlier in this process without the interpreter. So the
-kernel runs in a child process started with TRITON_INTERPRET=1 (this same module, run as
-`python -m tests.kernels.test_gather OUT`), which saves inputs and outputs; the assertions
-happen here.
+The kernel runs in a child process started with TRITON_INTERPRET=1 (see `tests.kernels.interp`),
+which saves inputs and outputs; the assertions happen here.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernels
 from kernels import gather
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interp import run_interpreted
 
 # name: (T, D, N, dtype, block_d, x layout, index dtype); odd shapes, masked column tails
 CASES = {
@@ -62,13 +55,7 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    pytest.importorskip("triton")
-    out = tmp_path_factory.mktemp("gather") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_gather", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_interpreted("tests.kernels.test_gather", tmp_path_factory.mktemp("gather"))
 
 
 def test_child_really_ran_the_interpreter(interpreted):

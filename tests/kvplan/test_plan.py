@@ -19,3 +19,5 @@ def test_layer_kind_follows_the_declared_parts():
     assert [lp.kind for lp in full_plan(3, "x").layers] == ["full"] * 3
     assert LayerPlan(0, eviction=Eviction(keep_tokens=4)).kind == "evicted"
     assert LayerPlan(0, codebook=Codebook()).kind == "codebook"
+    assert LayerPlan(0, eviction=Eviction(keep_tokens=4), codebook=Codebook()).kind == "codebook"
+    assert LayerPlan(0, eviction=Eviction(keep_tokens=4), quant=Quant()).kind == "quant"     # not ignored

@@ -87,3 +87,28 @@ async def test_planner_replicas_share_the_active_strategy_through_redis(redis_db
     finally:
         await _close(*a[:3])
         await _close(*b[:3])
+
+
+async def test_list_strategies_names_all_six():
+    server, svc, ch, stub = await _planner()
+    try:
+        listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
+        names = {s.name for s in listed.strategies}
+        assert names == {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv"}
+        assert all(s.version and s.description for s in listed.strategies)
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_spindlekv_plan_over_the_wire():
+    server, svc, ch, stub = await _planner()
+    try:
+        msg = await stub.Plan(planner_pb2.PlanRequest(job_id="j", strategy="spindlekv", prompt_tokens=4096, model=SHAPE,
+                                                      budget=common_pb2.Budget(reserve_ratio=0.4)), timeout=5)
+        plan = CompressionPlan.from_proto(msg)
+        assert (plan.strategy, plan.strategy_version) == ("spindlekv", strategies.STRATEGIES["spindlekv"].version)
+        assert [lp.kind for lp in plan.layers] == ["codebook"] * 30
+        assert plan.layers[-1].eviction.gqa_mode == "repeat" and plan.layers[-1].eviction.keep_tokens > 0
+        assert plan.predicted_reserve_ratio == pytest.approx(0.4, abs=1e-3)
+    finally:
+        await _close(server, svc, ch)

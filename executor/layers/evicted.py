@@ -1,0 +1,137 @@
+"""`evicted` cache layer: dense K/V while the context is prefilled, then — right after the
+attention of the context's last chunk — each stored head keeps its own token set: sinks, its
+top-scored context tokens, the observation window. In GQA `repeat` mode each query head
+chooses its own tokens, and the KV group stores the union once plus a small per-head index
+(never h_n dense copies). Tokens added later (question, decode) join every head of their group.
+
+Shapes: B = 1; H query heads, H_kv KV heads, h_n = H / H_kv; D head dim."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor import scoring
+from executor.attention import causal_attention
+from executor.layers.full import FullLayer, LayerContext
+from executor.layers.groups import DenseGroup, index_dtype
+from kvplan.plan import Eviction, LayerPlan
+
+KEEP_ALL = Eviction(keep_tokens=1 << 62, window=0, scorer="streaming_llm", gqa_mode="mean")
+
+
+@dataclass
+class Kept:
+    """What compression keeps: per stored head the token indices, [heads, n] sorted."""
+    rows: torch.Tensor
+    repeat: bool
+
+
+class EvictedLayer(FullLayer):
+    kind = "evicted"
+
+    def __init__(self, plan: LayerPlan, ctx: LayerContext):
+        super().__init__(plan, ctx)
+        self.eviction = plan.eviction or KEEP_ALL
+        self.groups: list | None = None            # one token store per KV group, after compression
+        self.head_rows: torch.Tensor | None = None  # [H, n] index into the group's tokens (`repeat` mode)
+        self.prompt_rows = 0                       # n: kept prompt tokens per stored head
+        self.acc: torch.Tensor | None = None       # [H, T] H2O accumulated attention (prefill only)
+
+    @property
+    def compressed(self) -> bool:
+        return self.groups is not None
+
+    # -- transformers Cache API ----------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [1, H_kv, T_new, D] (post-RoPE keys)."""
+        if not self.compressed:
+            return super().update(key_states, value_states)
+        pos = torch.arange(self.tokens_seen, self.tokens_seen + key_states.shape[-2])
+        for g, group in enumerate(self.groups):
+            group.append(key_states[0, g], value_states[0, g], pos)
+        self.tokens_seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens_seen + query_length, 0
+
+    # -- attention -------------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q: [1, H, Tq, D] -> [1, Tq, H, D]."""
+        if self.compressed:
+            k_heads, v_heads = self._heads(q.dtype)
+            return causal_attention(q, k_heads[None], v_heads[None], scaling, visible_prefix=self.prompt_rows)
+        out = causal_attention(q, k, v, scaling)
+        if self.eviction.scorer == "h2o" and self.ctx.state.phase != "after":
+            self.acc = scoring.accumulate_attention(self.acc, q[0], k[0], scaling)
+        if self.ctx.state.phase == "compress":
+            self.compress(self.select(q[0], k[0], scaling), k[0], v[0])
+        return out
+
+    def _heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored head's K/V rows: [H_e, n + t, D], transient (compute dtype)."""
+        ks, vs = [], []
+        hn = self.ctx.num_query_heads // self.ctx.num_kv_heads
+        for g, group in enumerate(self.groups):
+            kg, vg = group.materialize(dtype)                                            # [U_g, D]
+            if self.head_rows is None:
+                ks.append(kg[None]), vs.append(vg[None])
+                continue
+            tail = torch.arange(self.prompt_counts[g], group.num_tokens).expand(hn, -1)
+            idx = torch.cat([self.head_rows[g * hn:(g + 1) * hn].long(), tail], dim=1)   # [h_n, n + t]
+            ks.append(kg[idx]), vs.append(vg[idx])
+        return torch.cat(ks), torch.cat(vs)
+
+    # -- compression -----------------------------------------------------------------------------
+    def select(self, q: torch.Tensor, k: torch.Tensor, scaling: float) -> Kept:
+        """q: [H, Tq, D] (the context's last chunk), k: [H_kv, T, D] -> the kept rows."""
+        ev, t = self.eviction, k.shape[1]
+        repeat = ev.gqa_mode == "repeat"
+        heads = self.ctx.num_query_heads if repeat else self.ctx.num_kv_heads
+        scores = None
+        if ev.scorer == "snapkv":
+            scores = scoring.window_scores(q[:, -max(1, min(ev.window, q.shape[1])):], k, scaling)
+        elif ev.scorer == "h2o":
+            scores = self.acc
+        if scores is not None:
+            scores = scoring.pool(scores, ev.pool_kernel)
+            if not repeat:
+                scores = scoring.group_mean(scores, self.ctx.num_kv_heads)
+        keep = ev.keep_tokens if ev.keep_tokens is not None else int((ev.keep_ratio or 1.0) * t)
+        if scores is None and keep < t:          # nothing ranks the context: sinks + window only
+            keep = 0
+        return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, heads), repeat)
+
+    def compress(self, kept: Kept, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [H_kv, T, D] the whole context (post-RoPE keys). Drops the dense copy."""
+        hn = self.ctx.num_query_heads // self.ctx.num_kv_heads if kept.repeat else 1
+        groups, locals_, counts = [], [], []
+        for g in range(self.ctx.num_kv_heads):
+            rows = kept.rows[g * hn:(g + 1) * hn]                                       # [h_n, n]
+            uniq, inverse, weight = torch.unique(rows, return_inverse=True, return_counts=True)
+            groups.append(self.make_group(k[g, uniq], v[g, uniq], uniq, weight.float()))
+            locals_.append(inverse)
+            counts.append(len(uniq))
+        self.groups, self.prompt_counts, self.prompt_rows = groups, counts, kept.rows.shape[1]
+        self.head_rows = torch.cat(locals_).to(index_dtype(max(counts))) if kept.repeat else None
+        self.keys = self.values = self.acc = None
+
+    def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
+        """k, v: [U, D] a group's kept tokens; pos: [U]; weight: [U] heads keeping each."""
+        return DenseGroup(k, v, pos, self.storage_dtype)
+
+    # -- accounting ------------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        if not self.compressed:
+            return super().tensors()
+        held = [t for group in self.groups for t in group.tensors()]
+        return held + ([self.head_rows] if self.head_rows is not None else [])
+
+    def kept_tokens(self) -> int:
+        if not self.compressed:
+            return super().kept_tokens()
+        return self.prompt_rows + self.tokens_seen - self.ctx.state.context_tokens

@@ -1,0 +1,94 @@
+"""Token stores of one KV group in a compressed layer: the group's kept tokens (the union over
+its query heads in GQA `repeat` mode) followed by every token added after compression.
+
+`DenseGroup` keeps post-RoPE K and V rows in the storage dtype. `CodebookGroup` keeps
+SpindleKV's form: unit-vector codebooks for pre-RoPE K and for V, per token an index into
+each (dtype as small as the codebook allows), its two magnitudes and its position; keys get
+RoPE re-applied on reconstruction, new tokens join their best entry above θ or extend it."""
+from __future__ import annotations
+
+import torch
+
+from kernels import build_codebook, match_or_append, reconstruct
+from kernels.rope_reconstruct import unrotate_rope
+
+
+def index_dtype(n: int) -> torch.dtype:
+    """The smallest integer dtype that indexes n entries."""
+    return torch.uint8 if n <= 256 else torch.int16 if n <= 32768 else torch.int32
+
+
+def _fits(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Widen an index tensor when the codebook outgrows its dtype."""
+    return t if index_dtype(n).itemsize <= t.element_size() else t.to(index_dtype(n))
+
+
+class DenseGroup:
+    coded = False
+
+    def __init__(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
+        """k_post, v: [U, D] kept rows (post-RoPE keys); pos: [U] their positions."""
+        self.k, self.v = k_post.to(dtype), v.to(dtype)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[0]
+
+    def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k_post, v: [T_new, D]; pos: [T_new]."""
+        self.k = torch.cat([self.k, k_post.to(self.k.dtype)])
+        self.v = torch.cat([self.v, v.to(self.v.dtype)])
+
+    def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> post-RoPE K, V: [U, D] in the compute dtype."""
+        return self.k.to(dtype), self.v.to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+
+class CodebookGroup:
+    coded = True
+
+    def __init__(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
+                 rope: tuple[torch.Tensor, float], theta_k: float, theta_v: float, weight: torch.Tensor | None = None):
+        """k_post, v: [U, D]; pos: [U] int; rope: (inv_freq [D/2], attention_scaling);
+        weight: [U] how many query heads kept each token (GQA dedup)."""
+        self.dtype, self.rope, self.theta_k, self.theta_v = dtype, rope, theta_k, theta_v
+        k_pre = unrotate_rope(k_post.float(), pos, *rope)                    # codebooks work pre-RoPE
+        ck, ref_k, mag_k = build_codebook(k_pre, theta_k, weight)
+        cv, ref_v, mag_v = build_codebook(v.float(), theta_v, weight)
+        self.ck, self.cv = ck.to(dtype), cv.to(dtype)                        # [nK, D], [nV, D] unit rows
+        self.ref_k = ref_k.to(index_dtype(len(ck)))                          # [U]
+        self.ref_v = ref_v.to(index_dtype(len(cv)))                          # [U]
+        self.mag_k, self.mag_v = mag_k.to(dtype), mag_v.to(dtype)            # [U]
+        self.pos = pos.to(torch.int32)                                       # [U]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pos.shape[0]
+
+    def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k_post, v: [T_new, D]; pos: [T_new]."""
+        k_pre = unrotate_rope(k_post.float(), pos, *self.rope)
+        ck, rk = match_or_append(self.ck.float(), k_pre, self.theta_k)
+        cv, rv = match_or_append(self.cv.float(), v.float(), self.theta_v)
+        self.ck, self.cv = ck.to(self.dtype), cv.to(self.dtype)
+        self.ref_k = torch.cat([_fits(self.ref_k, len(ck)), rk.to(_fits(self.ref_k, len(ck)).dtype)])
+        self.ref_v = torch.cat([_fits(self.ref_v, len(cv)), rv.to(_fits(self.ref_v, len(cv)).dtype)])
+        self.mag_k = torch.cat([self.mag_k, k_pre.norm(dim=-1).to(self.dtype)])
+        self.mag_v = torch.cat([self.mag_v, v.float().norm(dim=-1).to(self.dtype)])
+        self.pos = torch.cat([self.pos, pos.to(torch.int32)])
+
+    def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> post-RoPE K (RoPE re-applied at each token's own position), V: [U, D]."""
+        k = reconstruct(self.ck, self.ref_k, self.mag_k, self.pos, self.rope[0], self.rope[1], out_dtype=dtype)
+        v = reconstruct(self.cv, self.ref_v, self.mag_v, out_dtype=dtype)
+        return k, v
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ck, self.cv, self.ref_k, self.ref_v, self.mag_k, self.mag_v, self.pos]
+
+
+def nbytes(group) -> int:
+    return sum(t.nbytes for t in group.tensors())

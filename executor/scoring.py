@@ -1,0 +1,79 @@
+"""Token importance for eviction, computed by the executor from its own attention (the plan only
+gives budgets): SnapKV observation window + pooling, H2O accumulated attention (in chunks,
+never a full T x T matrix), StreamingLLM (no scores: sinks + recent window).
+
+Scores come per query head; GQA `repeat` keeps them per query head, `mean` averages each KV
+group's query heads (PyramidInfer/SnapKV style)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """x: [H_kv, T, D] -> [H_kv * n_rep, T, D], query head q reads KV head q // n_rep."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=0)
+
+
+def window_scores(q_win: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """SnapKV: q_win [H, W, D] (the last W queries, post-RoPE), k [H_kv, T, D] post-RoPE
+    -> [H, T] attention mass the window pays each key (causal inside the window)."""
+    h, w, _ = q_win.shape
+    t = k.shape[1]
+    kr = repeat_kv(k.float(), h // k.shape[0])
+    logits = torch.einsum("hwd,htd->hwt", q_win.float(), kr) * scaling                     # [H, W, T]
+    cols = torch.arange(t)
+    rows = torch.arange(w)[:, None] + (t - w)
+    logits.masked_fill_((cols[None, :] > rows)[None], float("-inf"))
+    return logits.softmax(-1).sum(1)                                                          # [H, T]
+
+
+def accumulate_attention(acc: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, scaling: float,
+                         chunk: int = 256) -> torch.Tensor:
+    """H2O: add the attention each key receives from the queries q [H, Tq, D] (the last Tq of
+    the T keys k [H_kv, T, D]) to acc [H, T'] (T' <= T, grown with zeros) -> [H, T]."""
+    h, tq, _ = q.shape
+    t = k.shape[1]
+    out = torch.zeros(h, t) if acc is None else F.pad(acc, (0, t - acc.shape[1]))
+    kr = repeat_kv(k.float(), h // k.shape[0])
+    cols = torch.arange(t)
+    for s in range(0, tq, chunk):                                        # [H, c, T] at a time
+        qc = q[:, s:s + chunk].float()
+        logits = torch.einsum("hcd,htd->hct", qc, kr) * scaling
+        rows = torch.arange(qc.shape[1])[:, None] + (t - tq + s)
+        logits.masked_fill_((cols[None, :] > rows)[None], float("-inf"))
+        out += logits.softmax(-1).sum(1)
+    return out
+
+
+def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """scores: [H, T] -> [H, T], 1-D average pooling (odd kernel, same length)."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    k = kernel if kernel % 2 else kernel + 1
+    return F.avg_pool1d(scores[:, None], k, stride=1, padding=k // 2, count_include_pad=False)[:, 0]
+
+
+def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """GQA `mean`: [H, T] -> [H_kv, T], each KV head scored by its query heads' mean."""
+    h, t = scores.shape
+    return scores.view(num_kv_heads, h // num_kv_heads, t).mean(1)
+
+
+def select(scores: torch.Tensor | None, num_tokens: int, keep: int, window: int, sinks: int,
+           heads: int) -> torch.Tensor:
+    """Kept token indices per stored head: the first `sinks`, the top-`keep` of the context
+    between them and the last `window` by score, and the window -> [heads, n] sorted."""
+    window = min(window, num_tokens)
+    sinks = min(sinks, num_tokens - window)
+    lo, hi = sinks, num_tokens - window                              # scored context span
+    keep = max(0, min(keep, hi - lo))
+    fixed = torch.cat([torch.arange(sinks), torch.arange(hi, num_tokens)])
+    if keep == 0:
+        top = torch.empty(heads, 0, dtype=torch.long)
+    elif keep == hi - lo:
+        top = torch.arange(lo, hi).expand(heads, -1)
+    else:
+        top = scores[:, lo:hi].topk(keep, dim=-1).indices + lo
+    rows = torch.cat([fixed.expand(heads, -1), top], dim=1)
+    return rows.sort(dim=1).values

@@ -1,0 +1,131 @@
+"""Compressed cache layers on a tiny random GQA model (4 query heads, 2 KV heads, D = 16):
+kept rows equal the full-precision rows, attention over them equals dense attention on the
+kept tokens, codebook reconstruction stays within θ with exact magnitudes and re-applies RoPE,
+and the bytes reported are the bytes held."""
+import dataclasses
+
+import pytest
+import torch
+
+from executor.prompt import Prompt
+from executor.runner import Runner, Sampling
+from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, full_plan
+
+CONTEXT = list(range(1000, 1090))          # 90 context tokens
+QUESTION = list(range(2000, 2006))
+
+
+def _plan(m: int, **layer) -> CompressionPlan:
+    return CompressionPlan("t", "test", tuple(LayerPlan(i, **layer) for i in range(m)))
+
+
+def _prefill(lm, plan, context=CONTEXT):
+    runner = Runner(lm, torch.float16)
+    cache = runner.new_cache(plan)
+    with torch.inference_mode():
+        runner._prefill(Prompt(list(context), []), cache, lambda *a: None, lambda: False)
+    return runner, cache
+
+
+def _dense_kv(lm, context=CONTEXT):
+    """Post-RoPE K and V of every layer from a full-KV run, fp16 storage: [H_kv, T, D] each."""
+    _, cache = _prefill(lm, full_plan(lm.num_layers, "f"), context)
+    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("gqa", ["mean", "repeat"])
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "streaming_llm"])
+def test_evicted_rows_are_the_full_rows_and_attention_matches_dense_on_them(tiny_model, gqa, scorer):
+    ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer=scorer, gqa_mode=gqa, pool_kernel=3)
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
+    dense = _dense_kv(tiny_model)
+    hq, hk = tiny_model.num_query_heads, tiny_model.num_kv_heads
+    for layer, (k_full, v_full) in zip(cache.layers, dense):
+        assert layer.compressed and layer.keys is None                    # the dense copy is gone
+        k_heads, v_heads = layer._heads(torch.float32)                  # [H_e, n, D]
+        heads = hq if gqa == "repeat" else hk
+        want_n = 2 + (20 if scorer != "streaming_llm" else 0) + 8
+        assert k_heads.shape == (heads, want_n, 16) and layer.prompt_rows == want_n
+        # every stored row is the full-precision row of some kept token of its KV head
+        for h in range(heads):
+            g = h // (heads // hk)
+            match = (k_heads[h][:, None, :] == k_full[g][None]).all(-1)   # [n, T]
+            assert match.any(1).all()
+            rows = match.float().argmax(1)
+            assert torch.equal(v_heads[h], v_full[g][rows])
+            assert set(range(82, 90)) <= set(rows.tolist()) and {0, 1} <= set(rows.tolist())
+        # a decode query: attention equals dense attention over exactly the kept rows
+        q = torch.randn(1, hq, 1, 16)
+        got = layer.attend(q, None, None, 0.25)[0, 0]                     # [H, D]
+        for h in range(hq):
+            e = h if heads == hq else h // (hq // hk)
+            p = torch.softmax((q[0, h, 0] @ k_heads[e].T) * 0.25, -1)
+            torch.testing.assert_close(got[h], p @ v_heads[e], rtol=1e-5, atol=1e-5)
+
+
+def test_keeping_everything_reproduces_the_full_cache_run(tiny_model):
+    """A compressed layer that keeps every token must decode exactly like the full cache: checks
+    the after-compression attention path, its masks and the question prefill over it."""
+    ev = Eviction(keep_tokens=10**6, window=8, scorer="snapkv", gqa_mode="repeat")
+    prompt = Prompt(CONTEXT, QUESTION)
+    full = Runner(tiny_model, torch.float16).run(prompt, full_plan(tiny_model.num_layers, "f"), Sampling(12))
+    kept = Runner(tiny_model, torch.float16).run(prompt, _plan(tiny_model.num_layers, eviction=ev), Sampling(12))
+    assert kept.token_ids == full.token_ids
+    assert [x.kept_tokens for x in kept.layers] == [x.kept_tokens for x in full.layers]
+
+
+def test_repeat_mode_stores_each_groups_union_once_plus_a_small_index(tiny_model):
+    ev = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat")
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
+    for lb, layer in zip(cache.layer_bytes(), cache.layers):
+        assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
+        union = sum(g.num_tokens for g in layer.groups)
+        assert union <= tiny_model.num_kv_heads * 2 * 28                  # at most h_n distinct sets
+        assert layer.head_rows.dtype == torch.uint8 and layer.head_rows.shape == (4, 28)
+        assert lb.kv_bytes == union * 2 * 16 * 2 + 4 * 28                  # K+V fp16 rows + uint8 index
+        assert lb.full_kv_bytes == 2 * 90 * 2 * 16 * 2
+
+
+def test_codebook_reconstruction_is_within_theta_with_exact_magnitudes(tiny_model):
+    cb = Codebook(theta_k=0.9, theta_v=0.8)
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, codebook=cb))
+    dense = _dense_kv(tiny_model)
+    for layer, (k_full, v_full) in zip(cache.layers, dense):
+        for g, group in enumerate(layer.groups):
+            k, v = group.materialize(torch.float32)                           # [T, D] post-RoPE
+            if group.coded:
+                # RoPE is a rotation: the re-rotated key is as close to the original as pre-RoPE
+                cos_k = torch.nn.functional.cosine_similarity(k, k_full[g], dim=-1)
+                cos_v = torch.nn.functional.cosine_similarity(v, v_full[g], dim=-1)
+                assert (cos_k > 0.9 - 2e-3).all() and (cos_v > 0.8 - 2e-3).all()
+                torch.testing.assert_close(k.norm(dim=-1), k_full[g].norm(dim=-1), rtol=2e-3, atol=2e-3)
+                torch.testing.assert_close(v.norm(dim=-1), v_full[g].norm(dim=-1), rtol=2e-3, atol=2e-3)
+            else:
+                assert torch.equal(k, k_full[g]) and torch.equal(v, v_full[g])
+
+
+def test_codebook_with_theta_one_reapplies_rope_to_the_full_models_keys(tiny_model):
+    """θ just below 1 makes every token its own entry: reconstruction must give back the full
+    model's post-RoPE keys (up to fp16 storage), so RoPE is re-applied at the right positions."""
+    cb = Codebook(theta_k=0.99999, theta_v=0.99999)
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, codebook=cb))
+    dense = _dense_kv(tiny_model)
+    layer = cache.layers[0]
+    for g, group in enumerate(layer.groups):
+        group_cb = dataclasses.replace(layer.plan.codebook)
+        from executor.layers.groups import CodebookGroup
+        coded = CodebookGroup(dense[0][0][g], dense[0][1][g], torch.arange(90), torch.float16,
+                              layer.ctx.rope, group_cb.theta_k, group_cb.theta_v)
+        k, v = coded.materialize(torch.float32)
+        torch.testing.assert_close(k, dense[0][0][g], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(v, dense[0][1][g], rtol=2e-2, atol=2e-2)
+
+
+def test_codebook_layers_decode_and_report_real_bytes(tiny_model):
+    ev = Eviction(keep_tokens=30, window=8, scorer="snapkv", gqa_mode="repeat")
+    plan = _plan(tiny_model.num_layers, eviction=ev, codebook=Codebook(0.5, 0.5))   # loose θ: codes for sure
+    run = Runner(tiny_model, torch.float16).run(Prompt(CONTEXT, QUESTION), plan, Sampling(10))
+    assert len(run.token_ids) == 10
+    for lb in run.layers:
+        assert lb.kind == "codebook" and 0 < lb.kv_bytes < lb.full_kv_bytes
+        assert lb.kept_tokens == 38 + len(QUESTION) + 9

@@ -1,0 +1,148 @@
+"""Each strategy's plan for the SmolLM2 shape (30 layers, 9 q / 3 kv heads, d_h 64)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvplan.plan import Codebook, CompressionPlan
+from planner.allocation import pyramid_keep_counts
+from planner.request import ModelShape, PlanInput
+from planner.strategies import CODEBOOK_PRIOR, RECIPES, STRATEGIES, EvictionRecipe
+
+SHAPE = ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="fp")
+EVICTING = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv"]
+
+
+def plan(name, prompt=4096, ratio=None, kv_tokens=None) -> CompressionPlan:
+    if ratio is None and kv_tokens is None:
+        ratio = 0.4
+    inp = PlanInput(job_id="j", strategy=name, prompt_tokens=prompt, model=SHAPE, reserve_ratio=ratio,
+                    kv_tokens=kv_tokens)
+    return STRATEGIES[name].plan(inp, "plan-1")
+
+
+def evictions(p):
+    return [lp.eviction for lp in p.layers]
+
+
+def test_registry_holds_the_six_strategies():
+    assert set(STRATEGIES) == {"full", *EVICTING}
+    for name, s in STRATEGIES.items():
+        assert s.name == name and s.version and s.description and "\n" not in s.description
+
+
+@pytest.mark.parametrize("name", ["full", *EVICTING])
+def test_every_plan_covers_every_layer_and_round_trips(name):
+    p = plan(name)
+    assert p.plan_id == "plan-1" and p.strategy == name and p.model_fingerprint == "fp"
+    assert [lp.layer for lp in p.layers] == list(range(30))
+    back = CompressionPlan.from_proto(p.to_proto())
+    assert back.layers == p.layers   # keep_tokens=0 survives the proto oneof
+    assert back.predicted_reserve_ratio == pytest.approx(p.predicted_reserve_ratio, rel=1e-6)
+
+
+def test_streaming_llm_keeps_sinks_and_a_recent_window():
+    p = plan("streaming_llm")
+    ev = evictions(p)[0]
+    assert set(evictions(p)) == {ev}
+    assert (ev.keep_tokens, ev.sink_tokens, ev.window) == (0, 4, 1638 - 4)
+    assert (ev.scorer, ev.gqa_mode, ev.keep_ratio) == ("streaming_llm", "mean", None)
+    assert p.predicted_reserve_ratio == pytest.approx(1638 / 4096)
+    assert all(lp.codebook is None for lp in p.layers)
+
+
+@pytest.mark.parametrize("name, scorer, pool", [("h2o", "h2o", 1), ("snapkv", "snapkv", 7)])
+def test_uniform_strategies(name, scorer, pool):
+    p = plan(name)
+    ev = evictions(p)[0]
+    assert set(evictions(p)) == {ev}
+    assert (ev.keep_tokens, ev.window, ev.sink_tokens, ev.pool_kernel) == (1606, 32, 0, pool)
+    assert (ev.scorer, ev.gqa_mode) == (scorer, "mean")
+    assert p.predicted_reserve_ratio == pytest.approx(1638 / 4096)
+    assert all(lp.codebook is None for lp in p.layers)
+
+
+def test_pyramidkv_follows_the_worked_example():
+    p = plan("pyramidkv")
+    keep = [ev.keep_tokens for ev in evictions(p)]
+    assert keep == pyramid_keep_counts(0.4, 4096, 32, 30).tolist()
+    assert (keep[0], keep[29]) == (3009, 203)
+    assert all((ev.window, ev.pool_kernel, ev.scorer, ev.gqa_mode) == (32, 7, "snapkv", "mean") for ev in evictions(p))
+    assert p.predicted_reserve_ratio == pytest.approx(1637.9 / 4096, abs=1e-5)
+
+
+@pytest.mark.parametrize("r", [0.15, 0.25, 0.4, 0.55])
+def test_spindlekv_evicts_r_over_the_prior_and_codebooks_every_layer(r):
+    p = plan("spindlekv", ratio=r)
+    assert all(lp.codebook == Codebook(theta_k=0.98, theta_v=0.95) for lp in p.layers)
+    want = pyramid_keep_counts(r / CODEBOOK_PRIOR, 4096, 32, 30)
+    for lp, k in zip(p.layers, want):
+        if k + 32 >= 4096:   # a layer that keeps everything is not evicted (no per-head index to pay)
+            assert lp.eviction is None
+        else:
+            ev = lp.eviction
+            assert (ev.keep_tokens, ev.window, ev.pool_kernel, ev.scorer, ev.gqa_mode, ev.sink_tokens) == \
+                   (int(k), 32, 1, "snapkv", "repeat", 0)
+    assert p.predicted_reserve_ratio == pytest.approx(r, abs=1 / 4096)
+
+
+def test_spindlekv_above_the_prior_is_codebook_only():
+    p = plan("spindlekv", ratio=0.8)
+    assert all(lp.eviction is None and lp.codebook is not None for lp in p.layers)
+    assert p.predicted_reserve_ratio == pytest.approx(CODEBOOK_PRIOR)   # what the prior expects the codebook to reach
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_kv_tokens_budget_equals_the_same_ratio(name):
+    by_tokens, by_ratio = plan(name, kv_tokens=1638), plan(name, ratio=1638 / 4096)
+    assert by_tokens.layers == by_ratio.layers
+    assert by_tokens.predicted_reserve_ratio == pytest.approx(by_ratio.predicted_reserve_ratio)
+
+
+@pytest.mark.parametrize("name", ["full", *EVICTING])
+@pytest.mark.parametrize("budget", [dict(ratio=1.0), dict(kv_tokens=4096), dict(kv_tokens=10_000)])
+def test_a_budget_holding_the_prompt_compresses_nothing(name, budget):
+    p = plan(name, **budget)
+    assert [lp.kind for lp in p.layers] == ["full"] * 30 and p.predicted_reserve_ratio == 1.0
+
+
+@pytest.mark.parametrize("name", ["full", *EVICTING])
+def test_an_empty_prompt_gets_the_full_plan(name):
+    p = plan(name, prompt=0)
+    assert [lp.kind for lp in p.layers] == ["full"] * 30 and p.predicted_reserve_ratio == 1.0
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "pyramidkv"])
+def test_a_prompt_within_the_window_is_kept_whole(name):
+    p = plan(name, prompt=20, ratio=0.5)
+    assert all(ev is None for ev in evictions(p)) and p.predicted_reserve_ratio == 1.0
+
+
+def test_a_budget_below_the_window_keeps_the_window_and_predicts_it():
+    p = plan("snapkv", kv_tokens=16)
+    assert {(ev.keep_tokens, ev.window) for ev in evictions(p)} == {(0, 32)}
+    assert p.predicted_reserve_ratio == pytest.approx(32 / 4096)
+    s = plan("streaming_llm", kv_tokens=3)     # sinks take what there is
+    assert {(ev.keep_tokens, ev.sink_tokens, ev.window) for ev in evictions(s)} == {(0, 3, 0)}
+
+
+@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("r", [0.05, 0.2, 0.4, 0.7])
+def test_predicted_ratio_is_the_mean_kept_share(name, r):
+    p = plan(name, ratio=r)
+    kept = [min(4096, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else 4096 for ev in evictions(p)]
+    prior = RECIPES[name].codebook_prior
+    assert p.predicted_reserve_ratio == pytest.approx(prior * np.mean(kept) / 4096)
+    assert p.predicted_reserve_ratio <= r + 1e-9 or p.predicted_reserve_ratio == pytest.approx(32 / 4096)
+
+
+@pytest.mark.parametrize("bad", [dict(scorer="nope"), dict(scorer="snapkv", gqa_mode="nope"),
+                                 dict(scorer="snapkv", allocation="nope"), dict(scorer="snapkv", codebook_prior=0.0),
+                                 dict(scorer="snapkv", pool_kernel=0), dict(scorer="snapkv", window=-1)])
+def test_recipes_are_validated(bad):
+    with pytest.raises(ValueError):
+        EvictionRecipe(**bad)
+
+
+def test_recipes_are_plain_data():
+    assert dataclasses.replace(RECIPES["snapkv"], pool_kernel=5).pool_kernel == 5
