@@ -12,10 +12,15 @@ the window (a budget below it keeps the window, and the predicted ratio says so)
 that holds the whole prompt (r >= 1) gives the full plan; a layer that would evict nothing
 gets no Eviction.
 
-`predicted_reserve_ratio` = codebook_prior · mean over layers of kept/l, counted against the
-native h_kv-head cache. In "repeat" mode the executor stores each KV group's union of kept
-tokens plus a small per-head index; kept/l is the planner's estimate of that (the union is at
-most h_n× the per-head count, the index a few bytes per entry) and is not corrected here.
+In a layer with a codebook the executor reads the same count as a BYTE budget (the dense fp16
+bytes of that many tokens on the native KV heads) and keeps as many tokens as their coded form
+fits: the codebook saves first, eviction takes only what the codebook cannot.
+
+`predicted_reserve_ratio` = mean over layers of kept/l, counted against the native h_kv-head
+cache. In "repeat" mode the executor stores each KV group's union of kept tokens plus a small
+per-head index; kept/l is the planner's estimate of that (the union is at most h_n× the
+per-head count, the index a few bytes per entry) and is not corrected here; codebook layers
+hold their byte budget exactly.
 """
 from __future__ import annotations
 
@@ -31,16 +36,6 @@ from planner.request import PlanInput
 
 SCORERS = ("snapkv", "h2o", "streaming_llm")
 GQA_MODES = ("repeat", "mean")
-
-CODEBOOK_PRIOR = 0.6
-"""SpindleKV prior: expected bytes after the codebook / bytes before it, over all layers.
-
-Spec §3.3 puts a shallow layer at ~0.53 (r2 = 0.5 with index and magnitude overhead) while
-deep layers barely merge (~1.0, and the executor drops a codebook that does not pay), so 0.6
-is a round whole-model guess. It is a prior, not a fit to any benchmark; the probe-driven
-planner replaces it with per-layer calibrated r2.
-"""
-
 
 @dataclass(frozen=True)
 class Strategy:
@@ -60,8 +55,7 @@ class EvictionRecipe:
     sink_tokens: int = 0              # leading prompt tokens always kept
     pool_kernel: int = 1              # 1-D avg-pool over scores (1 = none)
     gqa_mode: str = "mean"            # one of GQA_MODES
-    codebook: Codebook | None = None  # put on every layer (the executor keeps it where it pays)
-    codebook_prior: float = 1.0       # predicted bytes after / before the codebook
+    codebook: Codebook | None = None  # put on every layer (the executor codes where it pays)
 
     def __post_init__(self):
         if self.scorer not in SCORERS:
@@ -72,19 +66,16 @@ class EvictionRecipe:
             raise ValueError(f"allocation {self.allocation!r} is not one of {sorted(ALLOCATIONS)}")
         if (self.window is not None and self.window < 0) or self.sink_tokens < 0 or self.pool_kernel < 1:
             raise ValueError("window and sink_tokens must be >= 0 and pool_kernel >= 1")
-        if not 0.0 < self.codebook_prior <= 1.0:
-            raise ValueError(f"codebook_prior must be in (0, 1], got {self.codebook_prior}")
 
     def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
         l, m, r = inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
         if l == 0 or r >= 1.0:   # the budget holds the whole prompt: nothing to compress
             return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
-        r_evict = min(1.0, r / self.codebook_prior)          # the codebook takes the rest of the way
-        budget = min(l, math.floor(r_evict * l + 1e-9))       # kept tokens per stored head, layer average
+        budget = min(l, math.floor(r * l + 1e-9))             # kept tokens per stored head, layer average
         sinks = min(self.sink_tokens, budget)
         window = budget - sinks if self.window is None else self.window
         fixed = sinks + window                                # always kept
-        keep = ALLOCATIONS[self.allocation](r_evict, l, fixed, m)   # [m] context tokens per stored head
+        keep = ALLOCATIONS[self.allocation](r, l, fixed, m)   # [m] context tokens per stored head
         layers = tuple(
             LayerPlan(layer=i, eviction=self._eviction(int(k), sinks, window, l), codebook=self.codebook)
             for i, k in enumerate(keep)
@@ -92,7 +83,7 @@ class EvictionRecipe:
         kept = np.minimum(l, fixed + keep)                    # [m] tokens per stored head
         return CompressionPlan(
             plan_id=plan_id, strategy=inp.strategy, layers=layers, model_fingerprint=inp.model.fingerprint,
-            predicted_reserve_ratio=float(self.codebook_prior * kept.mean() / l),
+            predicted_reserve_ratio=float(kept.mean() / l),
         )
 
     def _eviction(self, keep: int, sinks: int, window: int, l: int) -> Eviction | None:
@@ -111,8 +102,9 @@ RECIPES: dict[str, EvictionRecipe] = {
     "h2o": EvictionRecipe(scorer="h2o"),
     "snapkv": EvictionRecipe(scorer="snapkv", pool_kernel=7),
     "pyramidkv": EvictionRecipe(scorer="snapkv", allocation="pyramid", pool_kernel=7),
-    "spindlekv": EvictionRecipe(scorer="snapkv", allocation="pyramid", gqa_mode="repeat",
-                                codebook=Codebook(theta_k=0.98, theta_v=0.95), codebook_prior=CODEBOOK_PRIOR),
+    # pool 7 as in SnapKV/PyramidKV: a kept token keeps its neighbours (a needle spans tokens)
+    "spindlekv": EvictionRecipe(scorer="snapkv", allocation="pyramid", gqa_mode="repeat", pool_kernel=7,
+                                codebook=Codebook(theta_k=0.98, theta_v=0.95)),
 }
 
 STRATEGIES: dict[str, Strategy] = {
@@ -127,7 +119,7 @@ STRATEGIES: dict[str, Strategy] = {
                  RECIPES["snapkv"].plan),
         Strategy("pyramidkv", "1", "SnapKV scoring with a linear pyramid budget, shallow layers keep most",
                  RECIPES["pyramidkv"].plan),
-        Strategy("spindlekv", "1", "pyramid eviction per query head (GQA repeat) + cosine codebooks on every layer",
+        Strategy("spindlekv", "1", "pyramid byte budgets; cosine codebooks first, then eviction per query head (GQA repeat)",
                  RECIPES["spindlekv"].plan),
     ]
 }

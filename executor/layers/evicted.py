@@ -69,7 +69,7 @@ class EvictedLayer(FullLayer):
         if self.eviction.scorer == "h2o" and self.ctx.state.phase != "after":
             self.acc = scoring.accumulate_attention(self.acc, q[0], k[0], scaling)
         if self.ctx.state.phase == "compress":
-            self.compress(self.select(q[0], k[0], scaling), k[0], v[0])
+            self.compress_context(q[0], k[0], v[0], scaling)
         return out
 
     def _heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,36 +87,54 @@ class EvictedLayer(FullLayer):
         return torch.cat(ks), torch.cat(vs)
 
     # -- compression -----------------------------------------------------------------------------
-    def select(self, q: torch.Tensor, k: torch.Tensor, scaling: float) -> Kept:
-        """q: [H, Tq, D] (the context's last chunk), k: [H_kv, T, D] -> the kept rows."""
-        ev, t = self.eviction, k.shape[1]
-        repeat = ev.gqa_mode == "repeat"
-        heads = self.ctx.num_query_heads if repeat else self.ctx.num_kv_heads
-        scores = None
+    @property
+    def repeat(self) -> bool:
+        return self.eviction.gqa_mode == "repeat"
+
+    @property
+    def stored_heads(self) -> int:
+        return self.ctx.num_query_heads if self.repeat else self.ctx.num_kv_heads
+
+    def planned_keep(self, t: int) -> int:
+        ev = self.eviction
+        return ev.keep_tokens if ev.keep_tokens is not None else int((ev.keep_ratio or 1.0) * t)
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """q: [H, Tq, D] (the context's last chunk), k: [H_kv, T, D] -> [stored heads, T] or
+        None when nothing ranks the context (StreamingLLM)."""
+        ev = self.eviction
         if ev.scorer == "snapkv":
             scores = scoring.window_scores(q[:, -max(1, min(ev.window, q.shape[1])):], k, scaling)
         elif ev.scorer == "h2o":
             scores = self.acc
-        if scores is not None:
-            scores = scoring.pool(scores, ev.pool_kernel)
-            if not repeat:
-                scores = scoring.group_mean(scores, self.ctx.num_kv_heads)
-        keep = ev.keep_tokens if ev.keep_tokens is not None else int((ev.keep_ratio or 1.0) * t)
+        else:
+            return None
+        scores = scoring.pool(scores, ev.pool_kernel)
+        return scores if self.repeat else scoring.group_mean(scores, self.ctx.num_kv_heads)
+
+    def rows(self, scores: torch.Tensor | None, t: int, keep: int) -> Kept:
         if scores is None and keep < t:          # nothing ranks the context: sinks + window only
             keep = 0
-        return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, heads), repeat)
+        ev = self.eviction
+        return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, self.stored_heads), self.repeat)
 
-    def compress(self, kept: Kept, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [H_kv, T, D] the whole context (post-RoPE keys). Drops the dense copy."""
+    def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        """q: [H, Tq, D] the context's last chunk; k, v: [H_kv, T, D] the whole context."""
+        t = k.shape[1]
+        self.compress(self.rows(self.scores(q, k, scaling), t, self.planned_keep(t)), k, v)
+
+    def compress(self, kept: Kept, k: torch.Tensor, v: torch.Tensor, groups: list | None = None) -> None:
+        """k, v: [H_kv, T, D] the whole context (post-RoPE keys); `groups`: token stores already
+        built for each group's kept tokens. Drops the dense copy."""
         hn = self.ctx.num_query_heads // self.ctx.num_kv_heads if kept.repeat else 1
-        groups, locals_, counts = [], [], []
+        built, locals_, counts = [], [], []
         for g in range(self.ctx.num_kv_heads):
             rows = kept.rows[g * hn:(g + 1) * hn]                                       # [h_n, n]
             uniq, inverse, weight = torch.unique(rows, return_inverse=True, return_counts=True)
-            groups.append(self.make_group(k[g, uniq], v[g, uniq], uniq, weight.float()))
+            built.append(groups[g] if groups else self.make_group(k[g, uniq], v[g, uniq], uniq, weight.float()))
             locals_.append(inverse)
             counts.append(len(uniq))
-        self.groups, self.prompt_counts, self.prompt_rows = groups, counts, kept.rows.shape[1]
+        self.groups, self.prompt_counts, self.prompt_rows = built, counts, kept.rows.shape[1]
         self.head_rows = torch.cat(locals_).to(index_dtype(max(counts))) if kept.repeat else None
         self.keys = self.values = self.acc = None
 

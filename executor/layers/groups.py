@@ -50,19 +50,28 @@ class DenseGroup:
 class CodebookGroup:
     coded = True
 
-    def __init__(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
-                 rope: tuple[torch.Tensor, float], theta_k: float, theta_v: float, weight: torch.Tensor | None = None):
-        """k_post, v: [U, D]; pos: [U] int; rope: (inv_freq [D/2], attention_scaling);
-        weight: [U] how many query heads kept each token (GQA dedup)."""
+    def __init__(self, codes_k: tuple, codes_v: tuple, pos: torch.Tensor, dtype: torch.dtype,
+                 rope: tuple[torch.Tensor, float], theta_k: float, theta_v: float):
+        """codes_k/codes_v: (C [n, D] unit rows, ref [U] entry of each token, mag [U]) for pre-RoPE K
+        and for V; entries no token points at are dropped. pos: [U] int positions;
+        rope: (inv_freq [D/2], attention_scaling)."""
         self.dtype, self.rope, self.theta_k, self.theta_v = dtype, rope, theta_k, theta_v
-        k_pre = unrotate_rope(k_post.float(), pos, *rope)                    # codebooks work pre-RoPE
-        ck, ref_k, mag_k = build_codebook(k_pre, theta_k, weight)
-        cv, ref_v, mag_v = build_codebook(v.float(), theta_v, weight)
-        self.ck, self.cv = ck.to(dtype), cv.to(dtype)                        # [nK, D], [nV, D] unit rows
-        self.ref_k = ref_k.to(index_dtype(len(ck)))                          # [U]
-        self.ref_v = ref_v.to(index_dtype(len(cv)))                          # [U]
-        self.mag_k, self.mag_v = mag_k.to(dtype), mag_v.to(dtype)            # [U]
-        self.pos = pos.to(torch.int32)                                       # [U]
+        self.ck, self.ref_k, self.mag_k = self._compact(*codes_k)          # [nK, D], [U], [U]
+        self.cv, self.ref_v, self.mag_v = self._compact(*codes_v)          # [nV, D], [U], [U]
+        self.pos = pos.to(torch.int32)                                     # [U]
+
+    def _compact(self, c: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor):
+        used, ref = torch.unique(ref.long(), return_inverse=True)
+        return c[used].to(self.dtype), ref.to(index_dtype(len(used))), mag.to(self.dtype)
+
+    @classmethod
+    def build(cls, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
+              rope: tuple[torch.Tensor, float], theta_k: float, theta_v: float,
+              weight: torch.Tensor | None = None) -> "CodebookGroup":
+        """k_post, v: [U, D]; pos: [U]; weight: [U] how many query heads kept each token (GQA dedup)."""
+        k_pre = unrotate_rope(k_post.float(), pos, *rope)                   # codebooks work pre-RoPE
+        return cls(build_codebook(k_pre, theta_k, weight), build_codebook(v.float(), theta_v, weight),
+                   pos, dtype, rope, theta_k, theta_v)
 
     @property
     def num_tokens(self) -> int:

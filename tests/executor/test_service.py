@@ -124,3 +124,18 @@ def test_executor_falls_back_to_a_local_plan_when_the_planner_is_down(model_cfg,
         with ExecutorClient(dead.executor_addr, timeout_s=120) as c:
             st = c.run(request("What is the capital of France?", max_new_tokens=8))
     assert st.result.degraded and st.result.strategy == "full" and "Paris" in st.result.text
+
+
+@pytest.mark.parametrize("name", sorted(strategies.STRATEGIES))
+def test_every_strategy_runs_a_real_job_through_grpc(client, name):
+    from kvplan.cli import DEMO_CONTEXT, DEMO_QUESTION
+    st = client.run(request(" ".join([DEMO_CONTEXT] * 3), question=DEMO_QUESTION, max_new_tokens=8,
+                            strategy=name, reserve_ratio=0.5))
+    r = st.result
+    assert r.strategy == name and not r.degraded and r.generated_tokens >= 1
+    assert r.kv_bytes == sum(x.kv_bytes for x in r.per_layer) > 0
+    assert r.reserve_ratio == pytest.approx(r.kv_bytes / r.full_kv_bytes)
+    if name == "full":
+        assert r.reserve_ratio == 1.0
+    else:      # ~300 context tokens at 0.5: the cache holds well under the full bytes
+        assert r.reserve_ratio < 0.8, [(x.kind, x.kept_tokens) for x in r.per_layer]

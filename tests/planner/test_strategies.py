@@ -7,7 +7,7 @@ import pytest
 from kvplan.plan import Codebook, CompressionPlan
 from planner.allocation import pyramid_keep_counts
 from planner.request import ModelShape, PlanInput
-from planner.strategies import CODEBOOK_PRIOR, RECIPES, STRATEGIES, EvictionRecipe
+from planner.strategies import RECIPES, STRATEGIES, EvictionRecipe
 
 SHAPE = ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="fp")
 EVICTING = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv"]
@@ -72,24 +72,25 @@ def test_pyramidkv_follows_the_worked_example():
 
 
 @pytest.mark.parametrize("r", [0.15, 0.25, 0.4, 0.55])
-def test_spindlekv_evicts_r_over_the_prior_and_codebooks_every_layer(r):
+def test_spindlekv_gives_pyramid_byte_budgets_and_codebooks_every_layer(r):
     p = plan("spindlekv", ratio=r)
     assert all(lp.codebook == Codebook(theta_k=0.98, theta_v=0.95) for lp in p.layers)
-    want = pyramid_keep_counts(r / CODEBOOK_PRIOR, 4096, 32, 30)
+    want = pyramid_keep_counts(r, 4096, 32, 30)
     for lp, k in zip(p.layers, want):
         if k + 32 >= 4096:   # a layer that keeps everything is not evicted (no per-head index to pay)
             assert lp.eviction is None
         else:
             ev = lp.eviction
             assert (ev.keep_tokens, ev.window, ev.pool_kernel, ev.scorer, ev.gqa_mode, ev.sink_tokens) == \
-                   (int(k), 32, 1, "snapkv", "repeat", 0)
+                   (int(k), 32, 7, "snapkv", "repeat", 0)
     assert p.predicted_reserve_ratio == pytest.approx(r, abs=1 / 4096)
 
 
-def test_spindlekv_above_the_prior_is_codebook_only():
+def test_spindlekv_at_large_ratios_leaves_the_shallow_layers_to_the_codebook():
     p = plan("spindlekv", ratio=0.8)
-    assert all(lp.eviction is None and lp.codebook is not None for lp in p.layers)
-    assert p.predicted_reserve_ratio == pytest.approx(CODEBOOK_PRIOR)   # what the prior expects the codebook to reach
+    assert p.layers[0].eviction is None and p.layers[0].codebook is not None   # r_c(0) = 1: no eviction
+    assert p.layers[-1].eviction is not None                                    # deep layers still evict
+    assert p.predicted_reserve_ratio == pytest.approx(0.8, abs=1 / 4096)
 
 
 @pytest.mark.parametrize("name", EVICTING)
@@ -131,13 +132,12 @@ def test_a_budget_below_the_window_keeps_the_window_and_predicts_it():
 def test_predicted_ratio_is_the_mean_kept_share(name, r):
     p = plan(name, ratio=r)
     kept = [min(4096, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else 4096 for ev in evictions(p)]
-    prior = RECIPES[name].codebook_prior
-    assert p.predicted_reserve_ratio == pytest.approx(prior * np.mean(kept) / 4096)
+    assert p.predicted_reserve_ratio == pytest.approx(np.mean(kept) / 4096)
     assert p.predicted_reserve_ratio <= r + 1e-9 or p.predicted_reserve_ratio == pytest.approx(32 / 4096)
 
 
 @pytest.mark.parametrize("bad", [dict(scorer="nope"), dict(scorer="snapkv", gqa_mode="nope"),
-                                 dict(scorer="snapkv", allocation="nope"), dict(scorer="snapkv", codebook_prior=0.0),
+                                 dict(scorer="snapkv", allocation="nope"),
                                  dict(scorer="snapkv", pool_kernel=0), dict(scorer="snapkv", window=-1)])
 def test_recipes_are_validated(bad):
     with pytest.raises(ValueError):
