@@ -242,4 +242,6 @@ def match_or_append(
         new = torch.zeros(1, C.shape[1], device=x.device)
         new[:, :1] = 1.0
     ref[null] = 0
+    if new.shape[0] == 0:                  # every vector matched: the codebook is unchanged (no copy)
+        return C, ref
     return torch.cat([C, new.to(C.dtype)]), ref

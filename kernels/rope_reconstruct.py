@@ -126,11 +126,31 @@ def reconstruct_triton(
     return out
 
 
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # (inv_freq bytes, device) -> cos, sin [P, D]
+
+
+def _table(inv_freq: torch.Tensor, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of every position below n (at least), computed once per inv_freq and grown by
+    doubling: decode re-applies RoPE to every kept key at every step, a lookup is cheaper than
+    sin/cos. [P, D] each, fp32."""
+    key = (inv_freq.detach().cpu().numpy().tobytes(), str(device))
+    got = _TABLES.get(key)
+    if got is None or got[0].shape[0] < n:
+        size = 1 << max(10, (n - 1).bit_length())
+        ang = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq.to(device, torch.float32)
+        ang = torch.cat([ang, ang], dim=-1)
+        got = _TABLES[key] = (ang.cos(), ang.sin())
+    return got
+
+
 def _cos_sin(pos, inv_freq, D) -> tuple[torch.Tensor, torch.Tensor]:
-    ang = pos.to(torch.float32)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float32)   # [..., D/2]
-    assert ang.shape[-1] * 2 == D, f"inv_freq must be [D/2] = [{D // 2}], got [{ang.shape[-1]}]"
-    ang = torch.cat([ang, ang], dim=-1)                                                          # [..., D]
-    return ang.cos(), ang.sin()
+    assert inv_freq.shape[-1] * 2 == D, f"inv_freq must be [D/2] = [{D // 2}], got [{inv_freq.shape[-1]}]"
+    if pos.numel() == 0:
+        empty = torch.empty(*pos.shape, D, device=pos.device)
+        return empty, empty
+    cos, sin = _table(inv_freq, int(pos.max()) + 1, pos.device)
+    idx = pos.long()
+    return cos[idx], sin[idx]                                                                   # [..., D]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -63,8 +63,7 @@ class EvictedLayer(FullLayer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q: [1, H, Tq, D] -> [1, Tq, H, D]."""
         if self.compressed:
-            k_heads, v_heads = self._heads(q.dtype)
-            return causal_attention(q, k_heads[None], v_heads[None], scaling, visible_prefix=self.prompt_rows)
+            return self._attend_groups(q, scaling)
         out = causal_attention(q, k, v, scaling)
         if self.eviction.scorer == "h2o" and self.ctx.state.phase != "after":
             self.acc = scoring.accumulate_attention(self.acc, q[0], k[0], scaling)
@@ -72,8 +71,33 @@ class EvictedLayer(FullLayer):
             self.compress_context(q[0], k[0], v[0], scaling)
         return out
 
+    def _attend_groups(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q: [1, H, Tq, D] -> [1, Tq, H, D]. Per KV group one attention over the group's tokens,
+        each query head masked to its own kept prompt tokens (no per-head copies of K/V); tokens
+        added after compression are causal."""
+        hn = self.ctx.num_query_heads // self.ctx.num_kv_heads
+        tq, outs = q.shape[2], []
+        for g, group in enumerate(self.groups):
+            kg, vg = group.materialize(q.dtype)                                          # [U, D]
+            p, u = self.prompt_counts[g], group.num_tokens
+            mask = None
+            if self.head_rows is not None or tq > 1:
+                prompt = torch.ones(hn, p, dtype=torch.bool)
+                if self.head_rows is not None:                                           # `repeat`: own tokens
+                    rows = self.head_rows[g * hn:(g + 1) * hn].long()
+                    prompt = torch.zeros(hn, p, dtype=torch.bool).scatter_(1, rows, True)
+                tail = torch.arange(u - p)[None, :] <= torch.arange(tq)[:, None] + (u - p - tq)   # [Tq, t]
+                mask = torch.cat([prompt[:, None, :].expand(hn, tq, p), tail[None].expand(hn, tq, u - p)], dim=-1)
+                mask = mask[None]                                                          # [1, h_n, Tq, U]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[:, g * hn:(g + 1) * hn], kg[None, None], vg[None, None], attn_mask=mask, scale=scaling,
+                enable_gqa=True)                                                          # [1, h_n, Tq, D]
+            outs.append(out)
+        return torch.cat(outs, dim=1).transpose(1, 2).contiguous()
+
     def _heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored head's K/V rows: [H_e, n + t, D], transient (compute dtype)."""
+        """Every stored head's K/V rows, [H_e, n + t, D] (compute dtype): what each head attends
+        over. An inspection view; attention itself never builds it."""
         ks, vs = [], []
         hn = self.ctx.num_query_heads // self.ctx.num_kv_heads
         for g, group in enumerate(self.groups):

@@ -80,11 +80,12 @@ class CodebookGroup:
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """k_post, v: [T_new, D]; pos: [T_new]."""
         k_pre = unrotate_rope(k_post.float(), pos, *self.rope)
-        ck, rk = match_or_append(self.ck.float(), k_pre, self.theta_k)
-        cv, rv = match_or_append(self.cv.float(), v.float(), self.theta_v)
-        self.ck, self.cv = ck.to(self.dtype), cv.to(self.dtype)
-        self.ref_k = torch.cat([_fits(self.ref_k, len(ck)), rk.to(_fits(self.ref_k, len(ck)).dtype)])
-        self.ref_v = torch.cat([_fits(self.ref_v, len(cv)), rv.to(_fits(self.ref_v, len(cv)).dtype)])
+        self.ck, rk = match_or_append(self.ck, k_pre, self.theta_k)         # fp16 codebooks, fp32 cosines
+        self.cv, rv = match_or_append(self.cv, v.float(), self.theta_v)
+        self.ref_k = _fits(self.ref_k, len(self.ck))
+        self.ref_v = _fits(self.ref_v, len(self.cv))
+        self.ref_k = torch.cat([self.ref_k, rk.to(self.ref_k.dtype)])
+        self.ref_v = torch.cat([self.ref_v, rv.to(self.ref_v.dtype)])
         self.mag_k = torch.cat([self.mag_k, k_pre.norm(dim=-1).to(self.dtype)])
         self.mag_v = torch.cat([self.mag_v, v.float().norm(dim=-1).to(self.dtype)])
         self.pos = torch.cat([self.pos, pos.to(torch.int32)])
