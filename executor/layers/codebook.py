@@ -11,17 +11,12 @@ from __future__ import annotations
 import torch
 
 from executor.layers.evicted import EvictedLayer, Kept
-from executor.layers.groups import CodebookGroup, DenseGroup, nbytes
+from executor.layers.groups import CodebookGroup, DenseGroup, dense_bytes, index_bytes, nbytes
 from kernels import build_codebook
 from kernels.rope_reconstruct import unrotate_rope
 
 CANDIDATES = 2    # the codebook may keep at most this many times the tokens of the dense budget
 BIG = 1 << 40
-
-
-def _index_bytes(n: torch.Tensor) -> torch.Tensor:
-    """Bytes of one index into n entries (uint8 / int16 / int32), elementwise."""
-    return torch.where(n <= 256, 1, torch.where(n <= 32768, 2, 4))
 
 
 class CodebookLayer(EvictedLayer):
@@ -30,8 +25,8 @@ class CodebookLayer(EvictedLayer):
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
         cb = self.plan.codebook
         coded = CodebookGroup.build(k, v, pos, self.storage_dtype, self.ctx.rope, cb.theta_k, cb.theta_v, weight)
-        dense_bytes = 2 * k.shape[0] * k.shape[1] * self.storage_dtype.itemsize
-        return coded if nbytes(coded) < dense_bytes else DenseGroup(k, v, pos, self.storage_dtype)
+        dense = dense_bytes(k.shape[0], k.shape[1], self.storage_dtype)
+        return coded if nbytes(coded) < dense else DenseGroup(k, v, pos, self.storage_dtype)
 
     def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """q: [H, Tq, D] the context's last chunk; k, v: [H_kv, T, D] the whole context."""
@@ -43,7 +38,7 @@ class CodebookLayer(EvictedLayer):
         sinks = min(ev.sink_tokens, t - window)
         span = t - window - sinks
         keep = max(0, min(self.planned_keep(t), span))
-        budget = (sinks + window + keep) * hk * 2 * d * self.storage_dtype.itemsize
+        budget = hk * dense_bytes(sinks + window + keep, d, self.storage_dtype)
         k_max = min(span, CANDIDATES * max(keep, 1))
         heads = self.stored_heads
         hn = heads // hk
@@ -64,7 +59,7 @@ class CodebookLayer(EvictedLayer):
             cands.append(cand)
         n_rows = len(fixed) + ks
         if hn > 1:                                                                         # per-head index
-            size += heads * n_rows * _index_bytes(torch.tensor(max(len(c["uniq"]) for c in cands)))
+            size += heads * n_rows * index_bytes(torch.tensor(max(len(c["uniq"]) for c in cands)))
         fits = torch.nonzero(size <= budget).flatten()
         k_star = int(fits.max()) if len(fits) else 0
 
@@ -88,10 +83,10 @@ class CodebookLayer(EvictedLayer):
 
         def coded(ks):
             u, ek, ev = count(sorted_rank, ks), count(entry_k, ks), count(entry_v, ks)
-            return (ek + ev) * d * elem + u * (_index_bytes(ek) + _index_bytes(ev) + 2 * elem + 4)
+            return (ek + ev) * d * elem + u * (index_bytes(ek) + index_bytes(ev) + 2 * elem + 4)
 
         def dense(ks):
-            return count(sorted_rank, ks) * 2 * d * elem
+            return dense_bytes(count(sorted_rank, ks), d, self.storage_dtype)
 
         return dict(uniq=pos, k=k, v=v, codes_k=codes_k, codes_v=codes_v, min_rank=min_rank,
                     coded=coded, dense=dense)

@@ -13,9 +13,22 @@ from kernels import build_codebook, match_or_append, reconstruct
 from kernels.rope_reconstruct import unrotate_rope
 
 
+UINT8_ENTRIES, INT16_ENTRIES = 256, 32768      # most entries a uint8 / int16 index can address
+
+
 def index_dtype(n: int) -> torch.dtype:
     """The smallest integer dtype that indexes n entries."""
-    return torch.uint8 if n <= 256 else torch.int16 if n <= 32768 else torch.int32
+    return torch.uint8 if n <= UINT8_ENTRIES else torch.int16 if n <= INT16_ENTRIES else torch.int32
+
+
+def index_bytes(n: torch.Tensor) -> torch.Tensor:
+    """Bytes of one `index_dtype(n)` index, elementwise over entry counts n."""
+    return torch.where(n <= UINT8_ENTRIES, 1, torch.where(n <= INT16_ENTRIES, 2, 4))
+
+
+def dense_bytes(tokens, head_dim: int, dtype: torch.dtype):
+    """Bytes of dense K and V rows for `tokens` tokens of one group (int or tensor)."""
+    return tokens * 2 * head_dim * dtype.itemsize
 
 
 def _fits(t: torch.Tensor, n: int) -> torch.Tensor:
