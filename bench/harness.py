@@ -14,7 +14,7 @@ import torch
 from executor import prompt as P
 from executor.cache import PlannedCache
 from executor.prompt import Prompt
-from executor.runner import Runner, RunResult, Sampling
+from executor.runner import Prefix, Runner, RunResult, Sampling
 from kvplan import model as models
 from kvplan.config import ModelConfig, from_env
 from kvplan.model import LoadedModel
@@ -73,9 +73,12 @@ class Harness:
         inp = PlanInput("bench", strategy, context_tokens, self.shape, reserve_ratio=ratio)
         return STRATEGIES[strategy].plan(inp, f"bench-{strategy}-{ratio:g}")
 
-    def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int) -> RunResult:
+    def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int,
+            prefix: Prefix | None = None) -> RunResult:
+        """`prefix`: the prompt's leading chunks prefilled once (`Runner.prefix_of`); a run whose
+        plan chunks the prompt alike starts there, the others prefill everything."""
         plan = self.plan(strategy, len(prompt.context_ids), ratio)
-        return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens))
+        return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix)
 
     # -- fidelity ----------------------------------------------------------------------------------
     @torch.inference_mode()

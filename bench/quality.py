@@ -7,7 +7,9 @@ strategy × requested reserve ratio, with the measured ratio (kv_bytes / full_kv
     python -m bench.quality --tune-needles 2 3 4 6      # multi-key needle count, `full` only
 
 Writes quality.json and NIAH heatmaps under bench/results/ (--quick: bench/results/quick/) and
-prints a markdown table. Full-KV runs are shared by every ratio (one per case and mode).
+prints a markdown table. Full-KV runs are shared by every ratio (one per case and mode), and every
+prompt's leading chunks are prefilled once for all its runs (`Runner.prefix_of`; exact — tested).
+Reported prefill_s is therefore the remaining prefill only; bench/speed.py measures speed.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=32, help="answer tokens (greedy)")
     ap.add_argument("--fidelity-tokens", type=int, help="continuation tokens for fidelity (default 64; 0: skip)")
     ap.add_argument("--fidelity-length", type=int, default=2000, help="document tokens for fidelity")
+    ap.add_argument("--out", type=Path, help="results folder (default bench/results, --quick: bench/results/quick)")
     ap.add_argument("--tune-needles", type=int, nargs="+", help="only tune the multi-key needle count with `full`")
     args = ap.parse_args(argv)
     quick = QUICK if args.quick else dict(lengths=list(C.LENGTHS), depths=list(C.DEPTHS),
@@ -54,7 +57,7 @@ def parse(argv) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     check_strategies(args.strategies)
-    args.out = RESULTS / "quick" if args.quick else RESULTS
+    args.out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
     return args
 
 
@@ -73,8 +76,9 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
     bar = tqdm(units, file=sys.stderr, unit="case", dynamic_ncols=True)
     for i, (case, mode) in enumerate(bar):
         prompt = h.prompt(case.context, case.question, mode)
+        prefix = h.runner.prefix_of(prompt)        # the leading chunks, once for every run of this prompt
         for strategy, ratio in jobs:
-            res = h.run(prompt, strategy, ratio, new_tokens)
+            res = h.run(prompt, strategy, ratio, new_tokens, prefix)
             runs[case.family, mode, strategy, ratio].append(dict(
                 id=case.id, length=case.length, depth=case.depth, key=case.key, answer=case.answer,
                 reply=res.text, correct=C.is_correct(case.answer, res.text),

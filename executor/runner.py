@@ -16,7 +16,7 @@ from executor.cache import LayerBytes, PlannedCache
 from executor.prompt import Prompt
 from executor.sampler import Sampler
 from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan
+from kvplan.plan import CompressionPlan, full_plan
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,27 @@ class Cancelled(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """Dense K/V of a prompt's leading context chunks, prefilled once under a full plan: every
+    layer holds dense K/V until the context's last chunk (`CacheState` phase "context"), so runs
+    of the same prompt under plans that chunk it alike can start from here (the benches run one
+    prompt under many plans). Not for scorers that look at the context while it is prefilled
+    (H2O's accumulated attention): `seeds` says so."""
+    parts: tuple[tuple[int, int], ...]            # the context spans prefilled
+    keys: tuple[torch.Tensor, ...]                # per layer [1, H_kv, T, D], storage dtype
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def tokens(self) -> int:
+        return self.parts[-1][1] if self.parts else 0
+
+    def seeds(self, cache: PlannedCache, spans: list[tuple[int, int]]) -> bool:
+        """Whether a run over `spans` (its context chunks) under `cache`'s plan can start here."""
+        same_chunks = tuple(spans[:len(self.parts)]) == self.parts and len(spans) > len(self.parts)
+        return same_chunks and all(lp.eviction is None or lp.eviction.scorer != "h2o" for lp in cache.plan.layers)
+
+
 def _stop_ids(lm: LoadedModel) -> set[int]:
     ids = {lm.tokenizer.eos_token_id}
     gen = getattr(lm.model, "generation_config", None)
@@ -76,12 +97,13 @@ class Runner:
     @torch.inference_mode()
     def run(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling,
             emit: Callable[[str, object], None] = lambda kind, x: None,
-            cancelled: Callable[[], bool] = lambda: False) -> RunResult:
-        """emit("progress", (done, total)) during prefill; emit("delta", (text, ids)) per token."""
+            cancelled: Callable[[], bool] = lambda: False, prefix: Prefix | None = None) -> RunResult:
+        """emit("progress", (done, total)) during prefill; emit("delta", (text, ids)) per token.
+        `prefix`: this prompt's leading chunks already prefilled (`prefix_of`), used when it seeds."""
         cache = self.new_cache(plan)
         sampler = Sampler(sampling.temperature, sampling.top_p, sampling.seed)
         t0 = time.perf_counter()
-        logits = self._prefill(prompt, cache, emit, cancelled)
+        logits = self._prefill(prompt, cache, emit, cancelled, prefix)
         prefill_s = time.perf_counter() - t0
 
         generated: list[int] = []
@@ -110,13 +132,28 @@ class Runner:
         text = self.lm.tokenizer.decode(generated, skip_special_tokens=True)
         return RunResult(text, generated, prompt.num_tokens, prefill_s, decode_s, steps, finish, cache.layer_bytes())
 
-    def _prefill(self, prompt: Prompt, cache: PlannedCache, emit, cancelled) -> torch.Tensor:
+    @torch.inference_mode()
+    def prefix_of(self, prompt: Prompt, max_window: int = 32) -> Prefix:
+        """Prefill every context chunk but the last (as plans whose windows are <= max_window
+        chunk it) with dense K/V, once, for runs that start from it."""
+        spans = _chunks(len(prompt.context_ids), self.prefill_chunk, max_window)[:-1]
+        cache = self.new_cache(full_plan(self.lm.num_layers, "prefix"))
+        for a, b in spans:
+            self._forward(prompt.context_ids[a:b], a, cache)
+        layers = cache.layers if spans else []
+        return Prefix(tuple(spans), tuple(x.keys for x in layers), tuple(x.values for x in layers))
+
+    def _prefill(self, prompt: Prompt, cache: PlannedCache, emit, cancelled, prefix: Prefix | None = None) -> torch.Tensor:
         """The context in chunks; layers compress right after the attention of its last chunk
         (which holds at least the observation window); then the question, over the compressed
         cache."""
         total, done, logits = prompt.num_tokens, 0, None
         cache.state.context_tokens = len(prompt.context_ids)
         chunks = _chunks(len(prompt.context_ids), self.prefill_chunk, cache.max_window)
+        if prefix is not None and prefix.parts and prefix.seeds(cache, chunks):
+            for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
+                layer.seed(k, v, self.lm.model.dtype)   # never written in place: shared safely
+            chunks, done = chunks[len(prefix.parts):], prefix.tokens
         parts = [(prompt.context_ids[a:b], "compress" if b == len(prompt.context_ids) else "context") for a, b in chunks]
         parts += [(prompt.question_ids[a:a + self.prefill_chunk], "after")
                   for a in range(0, len(prompt.question_ids), self.prefill_chunk)]

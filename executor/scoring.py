@@ -54,6 +54,20 @@ def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.avg_pool1d(scores[:, None], k, stride=1, padding=k // 2, count_include_pad=False)[:, 0]
 
 
+def spread(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """Copy span [ours]: scores [H, T] -> [H, T], each token scored as high as the best of itself
+    and the `span` tokens before it (a causal max filter; 0 = unchanged).
+
+    Why: attention from the observation window peaks where an answer *starts* (the first digits
+    of a number, the first word of a name); decoding then copies it token by token, each step
+    reading the token after the one it just read (an induction step). Pooling is symmetric and
+    keeps only a few tokens past the peak, so the copy runs off the end of what was kept (the
+    answer comes out truncated). Letting a peak cover the next `span` tokens keeps the run."""
+    if span <= 0 or scores.shape[-1] == 0:
+        return scores
+    return F.max_pool1d(F.pad(scores[:, None], (span, 0), value=float("-inf")), span + 1, stride=1)[:, 0]
+
+
 def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """GQA `mean`: [H, T] -> [H_kv, T], each KV head scored by its query heads' mean."""
     h, t = scores.shape

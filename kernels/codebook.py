@@ -207,6 +207,27 @@ def build_codebook(
     return C, ref, mag
 
 
+def mergeable_share(
+    x: torch.Tensor,      # [N, D] any float dtype
+    theta: float,
+    sample: int = 256,
+    eps: float = DEFAULT_EPS,
+) -> float:
+    """Upper estimate of the share of x's vectors with another vector above cosine theta — the
+    most a codebook could merge — from `sample` evenly spaced rows against all N (sample x N
+    cosines instead of N²): the sample share plus two binomial standard errors."""
+    N = x.shape[0]
+    if N < 2:
+        return 0.0
+    xn, _, _ = _normalize(x, eps)                                             # [N, D]
+    rows = torch.linspace(0, N - 1, min(sample, N)).round().long().unique()   # [S]
+    cos = xn.index_select(0, rows) @ xn.T                                     # [S, N]
+    cos[torch.arange(len(rows)), rows] = -2.0                                 # not itself
+    s = len(rows)
+    share = float((cos > theta).any(dim=1).float().mean())
+    return min(1.0, share + 2.0 * (max(share, 1.0 / s) * (1.0 - share) / s) ** 0.5) if s < N else share
+
+
 def match_or_append(
     C: torch.Tensor,    # [n, D] unit rows (any float dtype; compared in fp32)
     x: torch.Tensor,    # [M, D] new vectors, in order
@@ -221,6 +242,12 @@ def match_or_append(
         f"C must be [n, D] and x [M, D], got {list(C.shape)} and {list(x.shape)}")
     n, M = C.shape[0], x.shape[0]
     xn, _, null = _normalize(x, eps)                                          # [M, D]
+    if M == 1 and n and not bool(null[0]):           # one decode token: the common case, no loops
+        cos = C.float() @ xn[0]                                               # [n]
+        best = int(cos.argmax())
+        if bool(cos[best] > theta):                                          # fp32 vs fp32(theta)
+            return C, torch.tensor([best], device=x.device)
+        return torch.cat([C, xn.to(C.dtype)]), torch.tensor([n], device=x.device)
     s_old = xn @ C.float().T                                                  # [M, n]
     s_new = xn @ xn.T                                                         # [M, M]
     best_old = s_old.amax(1) if n else torch.full((M,), float("-inf"), device=x.device)

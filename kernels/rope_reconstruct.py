@@ -126,36 +126,48 @@ def reconstruct_triton(
     return out
 
 
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # (inv_freq bytes, device) -> cos, sin [P, D]
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}   # (inv_freq bytes, device) -> cos, sin [P, D/2]
 
 
 def _table(inv_freq: torch.Tensor, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of every position below n (at least), computed once per inv_freq and grown by
-    doubling: decode re-applies RoPE to every kept key at every step, a lookup is cheaper than
-    sin/cos. [P, D] each, fp32."""
+    """cos/sin of every position below n (at least), one column per frequency, computed once per
+    inv_freq and grown by doubling: decode re-applies RoPE to every kept key at every step, a
+    lookup is cheaper than sin/cos. [P, D/2] each, fp32."""
     key = (inv_freq.detach().cpu().numpy().tobytes(), str(device))
     got = _TABLES.get(key)
     if got is None or got[0].shape[0] < n:
         size = 1 << max(10, (n - 1).bit_length())
         ang = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv_freq.to(device, torch.float32)
-        ang = torch.cat([ang, ang], dim=-1)
         got = _TABLES[key] = (ang.cos(), ang.sin())
     return got
 
 
-def _cos_sin(pos, inv_freq, D) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, D: int, scale: torch.Tensor | float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos: [...] -> cos, sin [..., D/2] fp32 at those positions, times `scale` ([...] or a float)."""
     assert inv_freq.shape[-1] * 2 == D, f"inv_freq must be [D/2] = [{D // 2}], got [{inv_freq.shape[-1]}]"
     if pos.numel() == 0:
-        empty = torch.empty(*pos.shape, D, device=pos.device)
+        empty = torch.empty(*pos.shape, D // 2, device=pos.device)
         return empty, empty
     cos, sin = _table(inv_freq, int(pos.max()) + 1, pos.device)
-    idx = pos.long()
-    return cos[idx], sin[idx]                                                                   # [..., D]
+    idx = pos.reshape(-1).long()
+    c = cos.index_select(0, idx).view(*pos.shape, D // 2)                                      # [..., D/2]
+    s = sin.index_select(0, idx).view(*pos.shape, D // 2)
+    if isinstance(scale, torch.Tensor):
+        scale = scale.float().unsqueeze(-1)
+        return c.mul_(scale), s.mul_(scale)
+    return (c, s) if scale == 1.0 else (c.mul_(scale), s.mul_(scale))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x: [..., D] fp32, c, s: [..., D/2] -> [..., D]: x * cos + rotate_half(x) * sin, the halves
+    written in place of a concatenation (4 half-width passes)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    return out
 
 
 def apply_rope(
@@ -165,9 +177,8 @@ def apply_rope(
     attention_scaling: float = 1.0,
 ) -> torch.Tensor:            # [..., D] fp32
     """HF Llama RoPE in fp32: x * cos + rotate_half(x) * sin, with cos/sin scaled."""
-    cos, sin = _cos_sin(pos, inv_freq, x.shape[-1])
-    x = x.float()
-    return x * (cos * attention_scaling) + _rotate_half(x) * (sin * attention_scaling)
+    c, s = _cos_sin(pos, inv_freq, x.shape[-1], attention_scaling)
+    return _rotate(x.float(), c, s)
 
 
 def unrotate_rope(
@@ -176,10 +187,9 @@ def unrotate_rope(
     inv_freq: torch.Tensor,   # [D/2]
     attention_scaling: float = 1.0,
 ) -> torch.Tensor:            # [..., D] fp32 pre-RoPE
-    """Inverse of `apply_rope`: the transposed rotation, divided by the scaling."""
-    cos, sin = _cos_sin(pos, inv_freq, x.shape[-1])
-    x = x.float()
-    return (x * cos - _rotate_half(x) * sin) / attention_scaling
+    """Inverse of `apply_rope`: the transposed rotation (sin negated), divided by the scaling."""
+    c, s = _cos_sin(pos, inv_freq, x.shape[-1], 1.0 / attention_scaling)
+    return _rotate(x.float(), c, s.neg_())
 
 
 def reconstruct_reference(
@@ -192,7 +202,8 @@ def reconstruct_reference(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:                           # [N, D]
     """What the kernel computes, in plain torch."""
-    x = C.float().index_select(0, ref.long()) * mag.float()[:, None]    # [N, D]
-    if pos is not None:
-        x = apply_rope(x, pos, inv_freq, attention_scaling)
-    return x.to(out_dtype)
+    x = C.index_select(0, ref.long()).float()                           # [N, D]
+    if pos is None:
+        return x.mul_(mag.float()[:, None]).to(out_dtype)
+    c, s = _cos_sin(pos, inv_freq, C.shape[1], mag.float() * attention_scaling)   # magnitude folded in
+    return _rotate(x, c, s).to(out_dtype)

@@ -17,7 +17,7 @@ class KVCrush(_message.Message):
     def __init__(self, rep_fraction: _Optional[float] = ..., anchor: _Optional[str] = ..., bucket_rule: _Optional[str] = ...) -> None: ...
 
 class Eviction(_message.Message):
-    __slots__ = ("keep_tokens", "keep_ratio", "window", "pool_kernel", "scorer", "gqa_mode", "sink_tokens", "kvcrush")
+    __slots__ = ("keep_tokens", "keep_ratio", "window", "pool_kernel", "scorer", "gqa_mode", "sink_tokens", "kvcrush", "span_tokens")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class Eviction(_message.Message):
     GQA_MODE_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KVCRUSH_FIELD_NUMBER: _ClassVar[int]
+    SPAN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
     keep_ratio: float
     window: int
@@ -34,7 +35,8 @@ class Eviction(_message.Message):
     gqa_mode: str
     sink_tokens: int
     kvcrush: KVCrush
-    def __init__(self, keep_tokens: _Optional[int] = ..., keep_ratio: _Optional[float] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., scorer: _Optional[str] = ..., gqa_mode: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., kvcrush: _Optional[_Union[KVCrush, _Mapping]] = ...) -> None: ...
+    span_tokens: int
+    def __init__(self, keep_tokens: _Optional[int] = ..., keep_ratio: _Optional[float] = ..., window: _Optional[int] = ..., pool_kernel: _Optional[int] = ..., scorer: _Optional[str] = ..., gqa_mode: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., kvcrush: _Optional[_Union[KVCrush, _Mapping]] = ..., span_tokens: _Optional[int] = ...) -> None: ...
 
 class Codebook(_message.Message):
     __slots__ = ("theta_k", "theta_v")

@@ -1,32 +1,39 @@
 """`codebook` cache layer (SpindleKV) — the codebook saves first, eviction takes only what the
 codebook cannot: the layer's eviction budget is read as a BYTE budget (the dense fp16 bytes of
 that many tokens on the native KV heads), and the layer keeps the most tokens whose stored
-form fits it. Per KV group the stored form is whichever is smaller: codebook indices +
-magnitudes + positions over unit-vector codebooks (pre-RoPE K, V), or dense rows.
+form fits it. Per KV group, K and V are each stored in whichever form is smaller: codebook
+indices + magnitudes (+ positions, for keys) over a unit-vector codebook (pre-RoPE K, V), or
+dense rows.
 
-Without an eviction part the layer keeps every token and codes each group where that holds
+A codebook is only built for a tensor that could pay for itself (spec §2.11, "auto"): a
+sampled share of vectors with a neighbour above θ (`kernels.mergeable_share`) must exceed
+the per-row cost of the coded form (index + magnitude [+ position]) over a dense row's bytes.
+In the deep layers of a small model almost nothing merges, so they skip the O(N²) build and
+keep exact rows.
+
+Without an eviction part the layer keeps every token and codes each part where that holds
 fewer bytes."""
 from __future__ import annotations
 
 import torch
 
 from executor.layers.evicted import EvictedLayer, Kept
-from executor.layers.groups import CodebookGroup, DenseGroup, dense_bytes, index_bytes, nbytes
-from kernels import build_codebook
+from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes, index_bytes
+from kernels import build_codebook, mergeable_share
 from kernels.rope_reconstruct import unrotate_rope
 
 CANDIDATES = 2    # the codebook may keep at most this many times the tokens of the dense budget
 BIG = 1 << 40
+POS_BYTES = 4     # int32 position per coded key
 
 
 class CodebookLayer(EvictedLayer):
     kind = "codebook"
 
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
-        cb = self.plan.codebook
-        coded = CodebookGroup.build(k, v, pos, self.storage_dtype, self.ctx.rope, cb.theta_k, cb.theta_v, weight)
-        dense = dense_bytes(k.shape[0], k.shape[1], self.storage_dtype)
-        return coded if nbytes(coded) < dense else DenseGroup(k, v, pos, self.storage_dtype)
+        """Every token kept: k, v [U, D] (post-RoPE keys), pos [U], weight [U]."""
+        cand = self._candidate(k, v, pos, weight, torch.zeros(len(pos), dtype=torch.long))
+        return self._group(cand, 1)
 
     def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """q: [H, Tq, D] the context's last chunk; k, v: [H_kv, T, D] the whole context."""
@@ -55,7 +62,7 @@ class CodebookLayer(EvictedLayer):
             min_rank = torch.full((len(uniq),), BIG).scatter_reduce(0, inv, rk, "amin")  # [U] first k keeping it
             weight = torch.bincount(inv, minlength=len(uniq)).float()
             cand = self._candidate(k[g, uniq], v[g, uniq], uniq, weight, min_rank)
-            size += torch.minimum(cand["coded"](ks), cand["dense"](ks))
+            size += cand["bytes"](ks)
             cands.append(cand)
         n_rows = len(fixed) + ks
         if hn > 1:                                                                         # per-head index
@@ -69,35 +76,50 @@ class CodebookLayer(EvictedLayer):
 
     def _candidate(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor,
                    min_rank: torch.Tensor) -> dict:
-        """Codebooks over a group's candidate tokens, and its bytes as a function of k."""
+        """A group's candidate tokens (k, v [U, D], pos [U], weight [U]; min_rank [U] = the
+        smallest eviction rank k that keeps each): codebooks over them where one could pay, and
+        the group's bytes as a function of k (each part in its smaller form)."""
         cb, elem, d = self.plan.codebook, self.storage_dtype.itemsize, k.shape[1]
-        k_pre = unrotate_rope(k.float(), pos, *self.ctx.rope)
-        codes_k = build_codebook(k_pre, cb.theta_k, weight)
-        codes_v = build_codebook(v.float(), cb.theta_v, weight)
         sorted_rank = min_rank.sort().values
-        entry_k = torch.full((len(codes_k[0]),), BIG).scatter_reduce(0, codes_k[1], min_rank, "amin").sort().values
-        entry_v = torch.full((len(codes_v[0]),), BIG).scatter_reduce(0, codes_v[1], min_rank, "amin").sort().values
+        row_index = int(index_bytes(torch.tensor(len(pos))))         # the widest index these rows could need
+        parts = {}
+        for name, x, theta, extra in (("k", unrotate_rope(k.float(), pos, *self.ctx.rope), cb.theta_k, POS_BYTES),
+                                      ("v", v.float(), cb.theta_v, 0)):
+            per_row = (row_index + elem + extra) / (d * elem)        # coded row overhead / dense row
+            codes = build_codebook(x, theta, weight) if mergeable_share(x, theta) > per_row else None
+            first = None if codes is None else (
+                torch.full((len(codes[0]),), BIG).scatter_reduce(0, codes[1], min_rank, "amin").sort().values)
+            parts[name] = dict(x=x, codes=codes, first=first, extra=extra)
 
         def count(sorted_values, ks):           # how many values are < k, for each k
             return torch.searchsorted(sorted_values, ks)
 
-        def coded(ks):
-            u, ek, ev = count(sorted_rank, ks), count(entry_k, ks), count(entry_v, ks)
-            return (ek + ev) * d * elem + u * (index_bytes(ek) + index_bytes(ev) + 2 * elem + 4)
+        def part_bytes(part, ks):               # (coded or BIG, dense) bytes of one tensor
+            u = count(sorted_rank, ks)
+            dense = u * d * elem
+            if part["codes"] is None:
+                return torch.full_like(dense, BIG), dense
+            ent = count(part["first"], ks)
+            return ent * d * elem + u * (index_bytes(ent) + elem + part["extra"]), dense
 
-        def dense(ks):
-            return dense_bytes(count(sorted_rank, ks), d, self.storage_dtype)
+        def total(ks):
+            return sum(torch.minimum(*part_bytes(p, ks)) for p in parts.values())
 
-        return dict(uniq=pos, k=k, v=v, codes_k=codes_k, codes_v=codes_v, min_rank=min_rank,
-                    coded=coded, dense=dense)
+        return dict(uniq=pos, k=k, v=v, weight=weight, min_rank=min_rank, parts=parts,
+                    part_bytes=part_bytes, bytes=total)
 
     def _group(self, cand: dict, k_star: int):
         """The token store of one group keeping its tokens first kept at k < k_star."""
         sel = cand["min_rank"] < k_star
         ks = torch.tensor([k_star])
-        if int(cand["coded"](ks)) >= int(cand["dense"](ks)):
+        stored = {}
+        for name, part in cand["parts"].items():
+            coded, dense = (int(b) for b in cand["part_bytes"](part, ks))
+            if coded < dense:
+                c, ref, mag = part["codes"]
+                theta = self.plan.codebook.theta_k if name == "k" else self.plan.codebook.theta_v
+                stored[name] = CodedRows(c, ref[sel], mag[sel], theta, self.storage_dtype)
+        if not stored:
             return DenseGroup(cand["k"][sel], cand["v"][sel], cand["uniq"][sel], self.storage_dtype)
-        (ck, rk, mk), (cv, rv, mv) = cand["codes_k"], cand["codes_v"]
-        cb = self.plan.codebook
-        return CodebookGroup((ck, rk[sel], mk[sel]), (cv, rv[sel], mv[sel]), cand["uniq"][sel],
-                             self.storage_dtype, self.ctx.rope, cb.theta_k, cb.theta_v)
+        return CodebookGroup(stored.get("k", cand["k"][sel]), stored.get("v", cand["v"][sel]),
+                             cand["uniq"][sel], self.storage_dtype, self.ctx.rope)

@@ -78,7 +78,6 @@ class EvictedLayer(FullLayer):
         hn = self.ctx.num_query_heads // self.ctx.num_kv_heads
         tq, outs = q.shape[2], []
         for g, group in enumerate(self.groups):
-            kg, vg = group.materialize(q.dtype)                                          # [U, D]
             p, u = self.prompt_counts[g], group.num_tokens
             mask = None
             if self.head_rows is not None or tq > 1:
@@ -88,12 +87,8 @@ class EvictedLayer(FullLayer):
                     prompt = torch.zeros(hn, p, dtype=torch.bool).scatter_(1, rows, True)
                 tail = torch.arange(u - p)[None, :] <= torch.arange(tq)[:, None] + (u - p - tq)   # [Tq, t]
                 mask = torch.cat([prompt[:, None, :].expand(hn, tq, p), tail[None].expand(hn, tq, u - p)], dim=-1)
-                mask = mask[None]                                                          # [1, h_n, Tq, U]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q[:, g * hn:(g + 1) * hn], kg[None, None], vg[None, None], attn_mask=mask, scale=scaling,
-                enable_gqa=True)                                                          # [1, h_n, Tq, D]
-            outs.append(out)
-        return torch.cat(outs, dim=1).transpose(1, 2).contiguous()
+            outs.append(group.attend(q[0, g * hn:(g + 1) * hn], mask, scaling))           # [h_n, Tq, D]
+        return torch.cat(outs).transpose(0, 1)[None].contiguous()
 
     def _heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored head's K/V rows, [H_e, n + t, D] (compute dtype): what each head attends
@@ -133,7 +128,7 @@ class EvictedLayer(FullLayer):
             scores = self.acc
         else:
             return None
-        scores = scoring.pool(scores, ev.pool_kernel)
+        scores = scoring.spread(scoring.pool(scores, ev.pool_kernel), ev.span_tokens)
         return scores if self.repeat else scoring.group_mean(scores, self.ctx.num_kv_heads)
 
     def rows(self, scores: torch.Tensor | None, t: int, keep: int) -> Kept:

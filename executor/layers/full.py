@@ -45,6 +45,13 @@ class FullLayer(DynamicLayer):
         self.values = torch.empty(*value_states.shape[:2], 0, value_states.shape[-1], dtype=self.storage_dtype, device=self.device)
         self.is_initialized = True
 
+    def seed(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+        """Start from dense K/V already prefilled: [1, H_kv, T, D] in the storage dtype; dtype:
+        the compute dtype (`Runner.prefix_of`)."""
+        self.dtype, self.device = dtype, keys.device
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.tokens_seen = keys.shape[-2]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value_states: [B, H_kv, T_new, D] (post-RoPE keys) -> all K/V [B, H_kv, T, D], compute dtype."""
         if not self.is_initialized:

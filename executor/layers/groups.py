@@ -8,6 +8,7 @@ RoPE re-applied on reconstruction, new tokens join their best entry above θ or 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import build_codebook, match_or_append, reconstruct
 from kernels.rope_reconstruct import unrotate_rope
@@ -56,61 +57,131 @@ class DenseGroup:
         """-> post-RoPE K, V: [U, D] in the compute dtype."""
         return self.k.to(dtype), self.v.to(dtype)
 
+    def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
+        -> [h_n, Tq, D]."""
+        k, v = self.materialize(q.dtype)
+        return _sdpa(q, k, v, mask, scaling)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
 
+class CodedRows:
+    """One tensor's rows (pre-RoPE K or V) as SpindleKV codes: unit-vector codebook C [n, D],
+    per row an entry index ref [U] (dtype as small as the codebook allows) and its norm mag [U]."""
+
+    def __init__(self, c: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, theta: float, dtype: torch.dtype):
+        """c: [n, D] unit rows (entries no row points at are dropped); ref: [U]; mag: [U]."""
+        used, ref = torch.unique(ref.long(), return_inverse=True)
+        self.c, self.ref, self.mag, self.theta = c[used].to(dtype), ref.to(index_dtype(len(used))), mag.to(dtype), theta
+
+    @classmethod
+    def build(cls, x: torch.Tensor, theta: float, weight: torch.Tensor | None, dtype: torch.dtype) -> "CodedRows":
+        """x: [U, D] fp32 rows; weight: [U] multiplicities (GQA dedup) or None."""
+        return cls(*build_codebook(x, theta, weight), theta, dtype)
+
+    def append(self, x: torch.Tensor) -> None:
+        """x: [T_new, D] fp32: each row joins its best entry above θ or extends the codebook."""
+        self.c, ref = match_or_append(self.c, x, self.theta)                 # fp16 codebook, fp32 cosines
+        self.ref = _fits(self.ref, len(self.c))
+        self.ref = torch.cat([self.ref, ref.to(self.ref.dtype)])
+        self.mag = torch.cat([self.mag, x.norm(dim=-1).to(self.mag.dtype)])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.c, self.ref, self.mag]
+
+
 class CodebookGroup:
+    """SpindleKV's form of one group, K and V each coded or dense (whichever holds fewer bytes:
+    a codebook that cannot merge enough costs more than the rows). Coded keys are pre-RoPE with
+    their int32 positions; dense keys are post-RoPE rows, as in `DenseGroup`."""
     coded = True
 
-    def __init__(self, codes_k: tuple, codes_v: tuple, pos: torch.Tensor, dtype: torch.dtype,
-                 rope: tuple[torch.Tensor, float], theta_k: float, theta_v: float):
-        """codes_k/codes_v: (C [n, D] unit rows, ref [U] entry of each token, mag [U]) for pre-RoPE K
-        and for V; entries no token points at are dropped. pos: [U] int positions;
-        rope: (inv_freq [D/2], attention_scaling)."""
-        self.dtype, self.rope, self.theta_k, self.theta_v = dtype, rope, theta_k, theta_v
-        self.ck, self.ref_k, self.mag_k = self._compact(*codes_k)          # [nK, D], [U], [U]
-        self.cv, self.ref_v, self.mag_v = self._compact(*codes_v)          # [nV, D], [U], [U]
-        self.pos = pos.to(torch.int32)                                     # [U]
+    def __init__(self, k: CodedRows | torch.Tensor, v: CodedRows | torch.Tensor, pos: torch.Tensor,
+                 dtype: torch.dtype, rope: tuple[torch.Tensor, float]):
+        """k: coded pre-RoPE K or dense post-RoPE K rows [U, D]; v: coded V or dense rows [U, D];
+        pos: [U] int positions; rope: (inv_freq [D/2], attention_scaling)."""
+        self.dtype, self.rope = dtype, rope
+        self.k = k if isinstance(k, CodedRows) else k.to(dtype)
+        self.v = v if isinstance(v, CodedRows) else v.to(dtype)
+        self.pos = pos.to(torch.int32) if self.k_coded else None          # [U], only to re-apply RoPE
+        self.num_rows = pos.shape[0]
 
-    def _compact(self, c: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor):
-        used, ref = torch.unique(ref.long(), return_inverse=True)
-        return c[used].to(self.dtype), ref.to(index_dtype(len(used))), mag.to(self.dtype)
+    @property
+    def k_coded(self) -> bool:
+        return isinstance(self.k, CodedRows)
+
+    @property
+    def v_coded(self) -> bool:
+        return isinstance(self.v, CodedRows)
 
     @classmethod
     def build(cls, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype,
               rope: tuple[torch.Tensor, float], theta_k: float, theta_v: float,
               weight: torch.Tensor | None = None) -> "CodebookGroup":
-        """k_post, v: [U, D]; pos: [U]; weight: [U] how many query heads kept each token (GQA dedup)."""
+        """Both tensors coded. k_post, v: [U, D]; pos: [U]; weight: [U] how many query heads kept
+        each token (GQA dedup)."""
         k_pre = unrotate_rope(k_post.float(), pos, *rope)                   # codebooks work pre-RoPE
-        return cls(build_codebook(k_pre, theta_k, weight), build_codebook(v.float(), theta_v, weight),
-                   pos, dtype, rope, theta_k, theta_v)
+        return cls(CodedRows.build(k_pre, theta_k, weight, dtype), CodedRows.build(v.float(), theta_v, weight, dtype),
+                   pos, dtype, rope)
 
     @property
     def num_tokens(self) -> int:
-        return self.pos.shape[0]
+        return self.num_rows
 
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """k_post, v: [T_new, D]; pos: [T_new]."""
-        k_pre = unrotate_rope(k_post.float(), pos, *self.rope)
-        self.ck, rk = match_or_append(self.ck, k_pre, self.theta_k)         # fp16 codebooks, fp32 cosines
-        self.cv, rv = match_or_append(self.cv, v.float(), self.theta_v)
-        self.ref_k = _fits(self.ref_k, len(self.ck))
-        self.ref_v = _fits(self.ref_v, len(self.cv))
-        self.ref_k = torch.cat([self.ref_k, rk.to(self.ref_k.dtype)])
-        self.ref_v = torch.cat([self.ref_v, rv.to(self.ref_v.dtype)])
-        self.mag_k = torch.cat([self.mag_k, k_pre.norm(dim=-1).to(self.dtype)])
-        self.mag_v = torch.cat([self.mag_v, v.float().norm(dim=-1).to(self.dtype)])
-        self.pos = torch.cat([self.pos, pos.to(torch.int32)])
+        if self.k_coded:
+            self.k.append(unrotate_rope(k_post.float(), pos, *self.rope))
+            self.pos = torch.cat([self.pos, pos.to(torch.int32)])
+        else:
+            self.k = torch.cat([self.k, k_post.to(self.dtype)])
+        if self.v_coded:
+            self.v.append(v.float())
+        else:
+            self.v = torch.cat([self.v, v.to(self.dtype)])
+        self.num_rows += pos.shape[0]
+
+    def keys(self, dtype: torch.dtype) -> torch.Tensor:
+        """-> post-RoPE K [U, D] (coded: RoPE re-applied at each token's own position)."""
+        if not self.k_coded:
+            return self.k.to(dtype)
+        return reconstruct(self.k.c, self.k.ref, self.k.mag, self.pos, self.rope[0], self.rope[1], out_dtype=dtype)
 
     def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> post-RoPE K (RoPE re-applied at each token's own position), V: [U, D]."""
-        k = reconstruct(self.ck, self.ref_k, self.mag_k, self.pos, self.rope[0], self.rope[1], out_dtype=dtype)
-        v = reconstruct(self.cv, self.ref_v, self.mag_v, out_dtype=dtype)
-        return k, v
+        """-> post-RoPE K, V: [U, D] (inspection and tests; attention never builds V)."""
+        v = reconstruct(self.v.c, self.v.ref, self.v.mag, out_dtype=dtype) if self.v_coded else self.v.to(dtype)
+        return self.keys(dtype), v
+
+    def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """q: [h_n, Tq, D]; mask: [h_n, Tq, U] bool (True = seen) or None -> [h_n, Tq, D].
+        Coded values are never rebuilt: the attention weights, times each token's V magnitude,
+        are summed per codebook entry and multiply the entries (spec §7.3), U scalars instead of
+        U rows."""
+        hn, tq, d = q.shape
+        if not self.v_coded:
+            return _sdpa(q, self.keys(q.dtype), self.v.to(q.dtype), mask, scaling)
+        logits = torch.matmul(q, self.keys(q.dtype).T).mul_(scaling)                          # [h_n, Tq, U]
+        if mask is not None:
+            logits.masked_fill_(~mask, float("-inf"))
+        w = torch.softmax(logits, dim=-1).mul_(self.v.mag.to(q.dtype)).view(hn * tq, -1)     # [h_n Tq, U]
+        per_entry = torch.zeros(hn * tq, self.v.c.shape[0], dtype=q.dtype).index_add_(1, self.v.ref.long(), w)
+        return (per_entry @ self.v.c.to(q.dtype)).view(hn, tq, d)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.ck, self.cv, self.ref_k, self.ref_v, self.mag_k, self.mag_v, self.pos]
+        parts = [self.k, self.v]
+        held = [t for p in parts for t in (p.tensors() if isinstance(p, CodedRows) else [p])]
+        return held + ([self.pos] if self.pos is not None else [])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """q: [h_n, Tq, D] over one KV head's k, v [U, D]; mask [h_n, Tq, U] or None -> [h_n, Tq, D].
+    The GQA form of SDPA (one KV head, h_n query heads): several times faster on CPU than
+    broadcasting a batch of one."""
+    out = F.scaled_dot_product_attention(q[None], k[None, None], v[None, None], scale=scaling, enable_gqa=True,
+                                         attn_mask=None if mask is None else mask[None])
+    return out[0]
 
 
 def nbytes(group) -> int:

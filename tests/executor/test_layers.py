@@ -143,3 +143,29 @@ def test_codebook_layers_decode_and_report_real_bytes(tiny_model):
     for lb in run.layers:
         assert lb.kind == "codebook" and 0 < lb.kv_bytes < lb.full_kv_bytes
         assert lb.kept_tokens >= 38 + len(QUESTION) + 9        # the codebook can afford more than 38
+
+
+@pytest.mark.parametrize("k_coded, v_coded", [(True, True), (False, True), (True, False)])
+def test_codebook_group_attention_equals_dense_attention_on_its_rows(tiny_model, k_coded, v_coded):
+    """Values are never rebuilt at attention (weights summed per entry): the output must equal
+    plain attention over the group's materialized rows, for either part coded or dense; a dense
+    key part keeps no positions."""
+    from executor.layers.groups import CodebookGroup, CodedRows
+    from kernels import unrotate_rope
+    k_full, v_full = _dense_kv(tiny_model)[1]
+    rotary = tiny_model.model.model.rotary_emb
+    rope = (rotary.inv_freq.float(), float(rotary.attention_scaling))
+    pos = torch.arange(90)
+    k_part = CodedRows.build(unrotate_rope(k_full[0], pos, *rope), 0.8, None, torch.float16) if k_coded else k_full[0]
+    v_part = CodedRows.build(v_full[0], 0.7, None, torch.float16) if v_coded else v_full[0]
+    group = CodebookGroup(k_part, v_part, pos, torch.float16, rope)
+    group.append(k_full[1, :3], v_full[1, :3], torch.arange(90, 93))
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(5))       # [h_n, Tq, D]
+    mask = torch.rand(2, 4, 93, generator=torch.Generator().manual_seed(6)) > 0.3
+    mask[..., -1] = True
+    k, v = group.materialize(torch.float32)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(group.attend(q, mask, 0.25), want, rtol=1e-4, atol=1e-5)
+    assert group.num_tokens == 93 and (group.pos is not None) == k_coded
+    dense_rows = [t for t in group.tensors() if t.shape == (93, 16)]
+    assert len(dense_rows) == (not k_coded) + (not v_coded) and all(t.dtype == torch.float16 for t in dense_rows)

@@ -54,3 +54,28 @@ def test_sampler_greedy_seeded_and_top_p():
     s = Sampler(1.0, 0.5, 1)      # p = .49, .44, .05, .02: the nucleus of 0.5 is tokens 1 and 3
     drawn = {s(logits) for _ in range(200)}
     assert drawn <= {1, 3} and drawn
+
+
+def _evict_plan(m: int, scorer: str, codebook=None):
+    from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan
+    ev = Eviction(keep_tokens=40, window=8, scorer=scorer, gqa_mode="repeat", span_tokens=4)
+    return CompressionPlan("p", "test", tuple(LayerPlan(i, eviction=ev, codebook=codebook) for i in range(m)))
+
+
+def test_a_shared_prefix_gives_the_same_run_as_a_full_prefill(tiny_model):
+    """The benches prefill a prompt's leading chunks once and start each plan's run there: the
+    tokens, the bytes and the kept tokens must be those of a run that prefilled everything."""
+    from kvplan.plan import Codebook
+    runner = Runner(tiny_model, torch.float16, prefill_chunk=32)
+    prompt = Prompt(list(range(1000, 1100)), list(range(2000, 2005)))
+    prefix = runner.prefix_of(prompt, max_window=8)
+    assert prefix.tokens == 64 and len(prefix.keys) == tiny_model.num_layers
+    for plan in (full_plan(tiny_model.num_layers, "f"), _evict_plan(tiny_model.num_layers, "snapkv"),
+                 _evict_plan(tiny_model.num_layers, "snapkv", Codebook(0.6, 0.5))):
+        assert prefix.seeds(runner.new_cache(plan), [(0, 32), (32, 64), (64, 100)])
+        cold = runner.run(prompt, plan, Sampling(8))
+        warm = runner.run(prompt, plan, Sampling(8), prefix=prefix)
+        assert warm.token_ids == cold.token_ids and warm.layers == cold.layers
+    h2o = _evict_plan(tiny_model.num_layers, "h2o")
+    assert not prefix.seeds(runner.new_cache(h2o), [(0, 32), (32, 64), (64, 100)])   # H2O scores the prefix
+    assert runner.run(prompt, h2o, Sampling(8), prefix=prefix).token_ids == runner.run(prompt, h2o, Sampling(8)).token_ids

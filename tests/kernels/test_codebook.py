@@ -246,6 +246,33 @@ def test_match_or_append_equals_sequential_definition():
     assert C_new.shape[0] > C.shape[0], "test data must create new entries"
 
 
+def test_match_or_append_one_token_at_a_time_equals_batch():
+    """Decode feeds one token per call (a fast path): the same codebook and refs as one batch call."""
+    C, _, _ = kernels.build_codebook(clustered(64, 8, seed=21), 0.95)
+    x = clustered(30, 8, seed=22)
+    x[15:] = x[:15] * 2.0                                                # exact repeats join their entry
+    C_batch, ref_batch = kernels.match_or_append(C, x, 0.95)
+    C_step, refs = C, []
+    for row in x:
+        C_step, r = kernels.match_or_append(C_step, row[None], 0.95)
+        refs += r.tolist()
+    assert refs == ref_batch.tolist() and torch.equal(C_step, C_batch)
+    assert C_batch.shape[0] > C.shape[0] and refs[15:] == refs[:15]
+
+
+def test_mergeable_share_worked_example_and_sampled_bound():
+    theta = math.cos(math.radians(15))
+    # 0-10, 10-20 and 90-95 degrees are edges; 45 and 200 degrees have no neighbour: 5 of 7
+    x = _angles(0, 10, 20, 45, 90, 95, 200)
+    assert kernels.mergeable_share(x, theta) == pytest.approx(5 / 7)     # all rows sampled: exact
+    assert kernels.mergeable_share(x[:1], theta) == 0.0
+    g = torch.Generator().manual_seed(3)
+    loners = torch.nn.functional.normalize(torch.randn(2000, 64, generator=g), dim=1)   # near-orthogonal
+    assert kernels.mergeable_share(loners, 0.9) < 0.03                   # sampled: 0 plus its error bar
+    twins = torch.cat([loners, loners * 2.0])                            # every row has a twin
+    assert kernels.mergeable_share(twins, 0.9) == 1.0
+
+
 def test_dispatch_rejects_bad_args():
     with pytest.raises(ValueError, match="x must be"):
         kernels.build_codebook(torch.zeros(4, dtype=torch.long).view(2, 2), 0.9)

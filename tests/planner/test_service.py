@@ -89,12 +89,12 @@ async def test_planner_replicas_share_the_active_strategy_through_redis(redis_db
         await _close(*b[:3])
 
 
-async def test_list_strategies_names_all_six():
+async def test_list_strategies_names_every_registered_one():
     server, svc, ch, stub = await _planner()
     try:
         listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
         names = {s.name for s in listed.strategies}
-        assert names == {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv"}
+        assert names == {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv", "spindlekv_paper"}
         assert all(s.version and s.description for s in listed.strategies)
     finally:
         await _close(server, svc, ch)

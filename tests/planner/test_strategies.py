@@ -10,7 +10,7 @@ from planner.request import ModelShape, PlanInput
 from planner.strategies import RECIPES, STRATEGIES, EvictionRecipe
 
 SHAPE = ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="fp")
-EVICTING = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv"]
+EVICTING = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv", "spindlekv_paper"]
 
 
 def plan(name, prompt=4096, ratio=None, kv_tokens=None) -> CompressionPlan:
@@ -72,8 +72,9 @@ def test_pyramidkv_follows_the_worked_example():
 
 
 @pytest.mark.parametrize("r", [0.15, 0.25, 0.4, 0.55])
-def test_spindlekv_gives_pyramid_byte_budgets_and_codebooks_every_layer(r):
-    p = plan("spindlekv", ratio=r)
+@pytest.mark.parametrize("name, span", [("spindlekv", 16), ("spindlekv_paper", 0)])
+def test_spindlekv_gives_pyramid_byte_budgets_and_codebooks_every_layer(r, name, span):
+    p = plan(name, ratio=r)
     assert all(lp.codebook == Codebook(theta_k=0.98, theta_v=0.95) for lp in p.layers)
     want = pyramid_keep_counts(r, 4096, 32, 30)
     for lp, k in zip(p.layers, want):
@@ -81,8 +82,8 @@ def test_spindlekv_gives_pyramid_byte_budgets_and_codebooks_every_layer(r):
             assert lp.eviction is None
         else:
             ev = lp.eviction
-            assert (ev.keep_tokens, ev.window, ev.pool_kernel, ev.scorer, ev.gqa_mode, ev.sink_tokens) == \
-                   (int(k), 32, 7, "snapkv", "repeat", 0)
+            assert (ev.keep_tokens, ev.window, ev.pool_kernel, ev.scorer, ev.gqa_mode, ev.sink_tokens, ev.span_tokens) == \
+                   (int(k), 32, 7, "snapkv", "repeat", 0, span)
     assert p.predicted_reserve_ratio == pytest.approx(r, abs=1 / 4096)
 
 
