@@ -139,18 +139,33 @@ def _executor_address(ccfg: ClusterConfig, mcfg: ModelConfig, quiet: bool):
         yield e.executor_addr
 
 
-def _planner_address(ccfg: ClusterConfig, mcfg: ModelConfig) -> str:
+def _planner_address(ccfg: ClusterConfig, mcfg: ModelConfig) -> str | None:
+    """KVPLAN_PLANNER_ADDR, else a running `kvplan up` cluster's planner, else None."""
     from kvplan import cluster
-    if "KVPLAN_PLANNER_ADDR" not in os.environ:
-        for m in cluster.read_members(cluster.state_dir(ccfg, mcfg)):
-            if m.name == "planner":
-                return m.address
-    return from_env(ClientConfig).planner_addr
+    if "KVPLAN_PLANNER_ADDR" in os.environ:
+        return from_env(ClientConfig).planner_addr
+    for m in cluster.read_members(cluster.state_dir(ccfg, mcfg)):
+        if m.name == "planner":
+            return m.address
+    return None
 
 
 def _strategies(args) -> int:
     from kvplan.client import PlannerClient
     addr = _planner_address(from_env(ClusterConfig), from_env(ModelConfig))
+    if addr is None:                     # no planner to ask: what this install ships
+        if args.action == "set":
+            print("kvplan: no planner is up (no `kvplan up` cluster, no KVPLAN_PLANNER_ADDR): "
+                  "nothing to switch", file=sys.stderr)
+            return 1
+        from kvplan.config import PlannerConfig
+        from planner.strategies import STRATEGIES
+        default = from_env(PlannerConfig).default_strategy
+        print("kvplan: no planner is up; the strategies this install ships (* = the default for jobs "
+              "that name none)", file=sys.stderr)
+        for s in STRATEGIES.values():
+            print(f"{'*' if s.name == default else ' '} {s.name:<16} v{s.version:<4} {s.description}")
+        return 0
     with PlannerClient(addr) as pc:
         if args.action == "set":
             if not args.name:
