@@ -44,10 +44,16 @@ def gains(scores: list[np.ndarray]) -> np.ndarray:
     return g
 
 
-def _take(g: np.ndarray, floor: np.ndarray, extra: int) -> np.ndarray:
-    """The floor in every layer, then the `extra` largest remaining gains. -> [L] counts."""
+def _open(g: np.ndarray, floor: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """G with the floor's slots and the slots past each layer's tokens taken out (-inf). [L, T]"""
+    k = np.arange(g.shape[1])[None, :]
+    return np.where((k < floor[:, None]) | (k >= caps[:, None]), -np.inf, g)
+
+
+def _take(g: np.ndarray, floor: np.ndarray, caps: np.ndarray, extra: int) -> np.ndarray:
+    """The floor in every layer, then the `extra` largest gains among the slots left. -> [L] counts."""
     L, T = g.shape
-    free = np.where(np.arange(T)[None, :] < floor[:, None], -np.inf, g).ravel()     # [L·T]
+    free = _open(g, floor, caps).ravel()                                             # [L·T]
     order = np.lexsort((np.arange(L * T), -free))                                    # gain desc, then (layer, k)
     picked = order[:extra]
     return floor + np.bincount(picked // T, minlength=L)
@@ -67,16 +73,15 @@ def allocate(scores: list[np.ndarray], total: int | None = None, r_target: float
     if total is not None:
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
-        keep = _take(g, fl, min(room, max(0, int(total) - int(fl.sum()))))
+        keep = _take(g, fl, caps, min(room, max(0, int(total) - int(fl.sum()))))
     else:
         if not 0.0 <= r_target:
             raise ValueError(f"r_target must be >= 0, got {r_target}")
         base = np.where(np.arange(T)[None, :] < fl[:, None], g, 0.0).sum(1)         # [L] R_i at the floor
-        rest = np.sort(np.where(np.arange(T)[None, :] < fl[:, None], -np.inf, g).ravel())[::-1][:room]
+        rest = np.sort(_open(g, fl, caps).ravel())[::-1][:room]
         need = L * r_target - base.sum()
         reach = np.cumsum(rest)
         extra = 0 if need <= 1e-12 else int(np.searchsorted(reach, need - 1e-12) + 1)
-        keep = _take(g, fl, min(extra, room))
-    keep = np.minimum(keep, caps)
+        keep = _take(g, fl, caps, min(extra, room))
     retained = np.array([g[i, :k].sum() for i, k in enumerate(keep)])
     return Allocation(keep.astype(np.int64), retained)

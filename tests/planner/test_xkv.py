@@ -73,6 +73,9 @@ def test_floor_caps_short_layers_and_unreachable_targets():
     a = allocate(scores, total=2, floor=1)
     assert a.keep.tolist() == [1, 1, 0]                     # every layer with tokens gets its floor
     assert allocate(scores, total=100).keep.tolist() == [3, 2, 0]   # capped at each layer's tokens
+    # zero-gain slots past a short layer's tokens are never handed out: the total is met elsewhere
+    short = [np.array([[1.0]]), np.array([[1.0, 0.0, 0.0]])]
+    assert allocate(short, total=3, floor=0).keep.tolist() == [1, 2]
     full = allocate(scores, r_target=1.5)                    # above what all tokens reach: stops
     assert full.keep.tolist() == [3, 2, 0]
     with pytest.raises(ValueError, match="exactly one"):
