@@ -56,8 +56,8 @@ class Prefix:
     """Dense K/V of a prompt's leading context chunks, prefilled once under a full plan: every
     layer holds dense K/V until the context's last chunk (`CacheState` phase "context"), so runs
     of the same prompt under plans that chunk it alike can start from here (the benches run one
-    prompt under many plans). Not for scorers that look at the context while it is prefilled
-    (H2O's accumulated attention): `seeds` says so."""
+    prompt under many plans). Not for layers that keep more than K/V while the context is
+    prefilled (`seedable`: H2O's accumulated attention): `seeds` says so."""
     parts: tuple[tuple[int, int], ...]            # the context spans prefilled
     keys: tuple[torch.Tensor, ...]                # per layer [1, H_kv, T, D], storage dtype
     values: tuple[torch.Tensor, ...]
@@ -69,7 +69,7 @@ class Prefix:
     def seeds(self, cache: PlannedCache, spans: list[tuple[int, int]]) -> bool:
         """Whether a run over `spans` (its context chunks) under `cache`'s plan can start here."""
         same_chunks = tuple(spans[:len(self.parts)]) == self.parts and len(spans) > len(self.parts)
-        return same_chunks and all(lp.eviction is None or lp.eviction.scorer != "h2o" for lp in cache.plan.layers)
+        return same_chunks and all(layer.seedable for layer in cache.layers)
 
 
 def _stop_ids(lm: LoadedModel) -> set[int]:

@@ -89,7 +89,7 @@ class CodebookLayer(EvictedLayer):
             codes = build_codebook(x, theta, weight) if mergeable_share(x, theta) > per_row else None
             first = None if codes is None else (
                 torch.full((len(codes[0]),), BIG).scatter_reduce(0, codes[1], min_rank, "amin").sort().values)
-            parts[name] = dict(x=x, codes=codes, first=first, extra=extra)
+            parts[name] = dict(codes=codes, first=first, extra=extra, theta=theta)
 
         def count(sorted_values, ks):           # how many values are < k, for each k
             return torch.searchsorted(sorted_values, ks)
@@ -117,8 +117,7 @@ class CodebookLayer(EvictedLayer):
             coded, dense = (int(b) for b in cand["part_bytes"](part, ks))
             if coded < dense:
                 c, ref, mag = part["codes"]
-                theta = self.plan.codebook.theta_k if name == "k" else self.plan.codebook.theta_v
-                stored[name] = CodedRows(c, ref[sel], mag[sel], theta, self.storage_dtype)
+                stored[name] = CodedRows(c, ref[sel], mag[sel], part["theta"], self.storage_dtype)
         if not stored:
             return DenseGroup(cand["k"][sel], cand["v"][sel], cand["uniq"][sel], self.storage_dtype)
         return CodebookGroup(stored.get("k", cand["k"][sel]), stored.get("v", cand["v"][sel]),

@@ -39,6 +39,11 @@ class EvictedLayer(FullLayer):
         self.acc: torch.Tensor | None = None       # [H, T] H2O accumulated attention (prefill only)
 
     @property
+    def seedable(self) -> bool:
+        """H2O accumulates the context's attention while it is prefilled: K/V alone cannot seed it."""
+        return self.eviction.scorer != "h2o"
+
+    @property
     def compressed(self) -> bool:
         return self.groups is not None
 

@@ -45,6 +45,8 @@ class FullLayer(DynamicLayer):
         self.values = torch.empty(*value_states.shape[:2], 0, value_states.shape[-1], dtype=self.storage_dtype, device=self.device)
         self.is_initialized = True
 
+    seedable = True   # the prefilled context's K/V is all this layer keeps before compression
+
     def seed(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
         """Start from dense K/V already prefilled: [1, H_kv, T, D] in the storage dtype; dtype:
         the compute dtype (`Runner.prefix_of`)."""

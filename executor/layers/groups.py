@@ -182,7 +182,3 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     out = F.scaled_dot_product_attention(q[None], k[None, None], v[None, None], scale=scaling, enable_gqa=True,
                                          attn_mask=None if mask is None else mask[None])
     return out[0]
-
-
-def nbytes(group) -> int:
-    return sum(t.nbytes for t in group.tensors())

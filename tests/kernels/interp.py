@@ -28,6 +28,14 @@ def run_interpreted(module: str, out_dir: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def interpreted_fixture(module: str):
+    """A module-scoped `interpreted` fixture: `module`'s child run once under the interpreter."""
+    @pytest.fixture(scope="module")
+    def interpreted(tmp_path_factory) -> dict:
+        return run_interpreted(module, tmp_path_factory.mktemp(module.rsplit(".", 1)[-1]))
+    return interpreted
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|, in fp32."""
     if ref.numel() == 0:

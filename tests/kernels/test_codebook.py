@@ -12,7 +12,7 @@ import torch
 import kernels
 from kernels import codebook
 from kernels._triton import INTERPRETED
-from tests.kernels.interp import rel_err, run_interpreted
+from tests.kernels.interp import interpreted_fixture, rel_err
 
 
 def clustered(N: int, D: int, seed: int, theta: float = 0.95) -> torch.Tensor:   # [N, D]
@@ -321,9 +321,7 @@ def _child(out_path: str) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> dict:
-    return run_interpreted("tests.kernels.test_codebook", tmp_path_factory.mktemp("codebook"))
+interpreted = interpreted_fixture("tests.kernels.test_codebook")
 
 
 def test_child_really_ran_the_interpreter(interpreted):

@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from kernels import gather
-from tests.kernels.interp import run_interpreted
+from tests.kernels.interp import interpreted_fixture
 
 # name: (T, D, N, dtype, block_d, x layout, index dtype); odd shapes, masked column tails
 CASES = {
@@ -53,9 +53,7 @@ def _child(out_path: str) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> dict:
-    return run_interpreted("tests.kernels.test_gather", tmp_path_factory.mktemp("gather"))
+interpreted = interpreted_fixture("tests.kernels.test_gather")
 
 
 def test_child_really_ran_the_interpreter(interpreted):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import ragged_attention as ra
 from kernels._triton import INTERPRETED
-from tests.kernels.interp import rel_err, run_interpreted
+from tests.kernels.interp import interpreted_fixture, rel_err
 
 # name: (rows per head, D, k/v dtype, layout, block_t)
 CASES = {
@@ -89,9 +89,7 @@ def _child(out_path: str) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> dict:
-    return run_interpreted("tests.kernels.test_ragged_attention", tmp_path_factory.mktemp("ragged"))
+interpreted = interpreted_fixture("tests.kernels.test_ragged_attention")
 
 
 def test_child_really_ran_the_interpreter(interpreted):

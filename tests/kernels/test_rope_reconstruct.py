@@ -10,7 +10,7 @@ import torch
 import kernels
 from kernels import rope_reconstruct as rr
 from kernels._triton import INTERPRETED
-from tests.kernels.interp import rel_err, run_interpreted
+from tests.kernels.interp import interpreted_fixture, rel_err
 
 ROPE = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -125,9 +125,7 @@ def _child(out_path: str) -> None:
     torch.save(results, out_path)
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory) -> dict:
-    return run_interpreted("tests.kernels.test_rope_reconstruct", tmp_path_factory.mktemp("rope"))
+interpreted = interpreted_fixture("tests.kernels.test_rope_reconstruct")
 
 
 def test_child_really_ran_the_interpreter(interpreted):
