@@ -16,15 +16,17 @@ fewer bytes."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from executor.layers.evicted import EvictedLayer, Kept
 from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes, index_bytes
-from kernels import build_codebook, mergeable_share
+from kernels import build_codebook, mergeable_share, reconstruct
 from kernels.rope_reconstruct import unrotate_rope
 
 CANDIDATES = 2    # the codebook may keep at most this many times the tokens of the dense budget
 BIG = 1 << 40
 POS_BYTES = 4     # int32 position per coded key
+MODES = ((), ("v",), ("k",), ("k", "v"))   # which parts a layer may code: it takes the least predicted error
 
 
 class CodebookLayer(EvictedLayer):
@@ -33,7 +35,7 @@ class CodebookLayer(EvictedLayer):
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
         """Every token kept: k, v [U, D] (post-RoPE keys), pos [U], weight [U]."""
         cand = self._candidate(k, v, pos, weight, torch.zeros(len(pos), dtype=torch.long))
-        return self._group(cand, 1)
+        return self._group(cand, 1, ("k", "v"))
 
     def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """q: [H, Tq, D] the context's last chunk; k, v: [H_kv, T, D] the whole context."""
@@ -54,25 +56,66 @@ class CodebookLayer(EvictedLayer):
         tokens = torch.cat([fixed.expand(heads, -1), top], dim=1)                        # [heads, f + k_max]
         ranks = torch.cat([torch.full((heads, len(fixed)), -1), torch.arange(k_max).expand(heads, -1)], dim=1)
 
-        cands, size = [], torch.zeros(k_max + 1, dtype=torch.long)
-        ks = torch.arange(k_max + 1)
+        cands = []
         for g in range(hk):
-            toks, rk = tokens[g * hn:(g + 1) * hn].flatten(), ranks[g * hn:(g + 1) * hn].flatten()
-            uniq, inv = torch.unique(toks, return_inverse=True)                            # [U] sorted positions
-            min_rank = torch.full((len(uniq),), BIG).scatter_reduce(0, inv, rk, "amin")  # [U] first k keeping it
+            toks, rk = tokens[g * hn:(g + 1) * hn], ranks[g * hn:(g + 1) * hn]                # [h_n, f + k_max]
+            uniq, inv = torch.unique(toks.flatten(), return_inverse=True)                  # [U] sorted positions
+            min_rank = torch.full((len(uniq),), BIG).scatter_reduce(0, inv, rk.flatten(), "amin")  # [U]
             weight = torch.bincount(inv, minlength=len(uniq)).float()
             cand = self._candidate(k[g, uniq], v[g, uniq], uniq, weight, min_rank)
-            size += cand["bytes"](ks)
+            cand["head_rank"] = torch.full((hn, len(uniq)), BIG).scatter_(1, inv.view(hn, -1), rk)  # [h_n, U]
             cands.append(cand)
+        ks = torch.arange(k_max + 1)
         n_rows = len(fixed) + ks
-        if hn > 1:                                                                         # per-head index
-            size += heads * n_rows * index_bytes(torch.tensor(max(len(c["uniq"]) for c in cands)))
-        fits = torch.nonzero(size <= budget).flatten()
-        k_star = int(fits.max()) if len(fits) else 0
+        head_index = heads * n_rows * index_bytes(torch.tensor(max(len(c["uniq"]) for c in cands))) if hn > 1 else 0
+        q_win = q[:, -max(1, min(ev.window, q.shape[1])):].float()                        # [H, W, D]
+        exact = self._window_output(q_win, k, v, scaling)                                 # [H, W, D]
+
+        best = None
+        for parts in MODES:
+            if parts and not all(any(c["parts"][p]["codes"] is not None for c in cands) for p in parts):
+                continue                                        # nothing to code: same as a smaller mode
+            size = head_index + sum(c["bytes"](ks, parts) for c in cands)
+            fits = torch.nonzero(size <= budget).flatten()
+            k_star = int(fits.max()) if len(fits) else 0
+            err = self._predicted_error(q_win, exact, cands, k_star, parts, scaling, t)
+            if best is None or err < best[0]:
+                best = (err, k_star, parts)
+        self.predicted_error, k_star, parts = best
 
         rows = torch.cat([fixed.expand(heads, -1), top[:, :k_star]], dim=1).sort(dim=1).values
-        groups = [self._group(c, k_star) for c in cands]
+        groups = [self._group(c, k_star, parts) for c in cands]
         self.compress(Kept(rows, self.repeat), k, v, groups)
+
+    def _window_output(self, q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The observation window's exact attention output over the whole context: q_win
+        [H, W, D] (the last W positions), k, v [H_kv, T, D] -> [H, W, D] fp32."""
+        w, t = q_win.shape[1], k.shape[1]
+        causal = torch.arange(t)[None, :] <= torch.arange(t - w, t)[:, None]              # [W, T]
+        return F.scaled_dot_product_attention(q_win[None], k[None].float(), v[None].float(), attn_mask=causal,
+                                              scale=scaling, enable_gqa=True)[0]
+
+    def _predicted_error(self, q_win: torch.Tensor, exact: torch.Tensor, cands: list[dict], k_star: int,
+                         parts: tuple[str, ...], scaling: float, t: int) -> float:
+        """Relative squared error of the observation window's attention output (q_win [H, W, D]
+        at the last W of t positions, exact [H, W, D]) when each group keeps its tokens ranked below k_star, in the form a
+        layer coding `parts` would store them: evicted tokens and codebook error alike, in one
+        unit, so bytes go to whichever loses less."""
+        hq = q_win.shape[0] // len(cands)
+        w = q_win.shape[1]
+        err = 0.0
+        for g, c in enumerate(cands):
+            coded = self._coded(c, k_star, parts)
+            kk = c["parts"]["k"]["rebuilt"] if "k" in coded else c["k"].float()            # [U, D] post-RoPE
+            vv = c["parts"]["v"]["rebuilt"] if "v" in coded else c["v"].float()            # [U, D]
+            kept = c["head_rank"] < k_star                                                  # [h_n, U]
+            kept = kept.repeat_interleave(hq // kept.shape[0], dim=0)                      # [hq, U]
+            causal = c["uniq"][None, :] <= torch.arange(t - w, t)[:, None]                 # [W, U]
+            mask = kept[:, None, :] & causal[None]                                         # [hq, W, U]
+            out = F.scaled_dot_product_attention(q_win[None, g * hq:(g + 1) * hq], kk[None, None], vv[None, None],
+                                                 attn_mask=mask[None], scale=scaling, enable_gqa=True)[0]
+            err += float((out - exact[g * hq:(g + 1) * hq]).pow(2).sum())
+        return err / max(float(exact.pow(2).sum()), 1e-12)
 
     def _candidate(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor,
                    min_rank: torch.Tensor) -> dict:
@@ -87,9 +130,12 @@ class CodebookLayer(EvictedLayer):
                                       ("v", v.float(), cb.theta_v, 0)):
             per_row = (row_index + elem + extra) / (d * elem)        # coded row overhead / dense row
             codes = build_codebook(x, theta, weight) if mergeable_share(x, theta) > per_row else None
-            first = None if codes is None else (
-                torch.full((len(codes[0]),), BIG).scatter_reduce(0, codes[1], min_rank, "amin").sort().values)
-            parts[name] = dict(codes=codes, first=first, extra=extra, theta=theta)
+            first = rebuilt = None
+            if codes is not None:
+                first = torch.full((len(codes[0]),), BIG).scatter_reduce(0, codes[1], min_rank, "amin").sort().values
+                rope = (pos, *self.ctx.rope) if name == "k" else ()
+                rebuilt = reconstruct(codes[0].to(self.storage_dtype), codes[1], codes[2].to(self.storage_dtype), *rope)
+            parts[name] = dict(codes=codes, first=first, extra=extra, theta=theta, rebuilt=rebuilt)
 
         def count(sorted_values, ks):           # how many values are < k, for each k
             return torch.searchsorted(sorted_values, ks)
@@ -102,22 +148,28 @@ class CodebookLayer(EvictedLayer):
             ent = count(part["first"], ks)
             return ent * d * elem + u * (index_bytes(ent) + elem + part["extra"]), dense
 
-        def total(ks):
-            return sum(torch.minimum(*part_bytes(p, ks)) for p in parts.values())
+        def total(ks, coded=("k", "v")):      # bytes for each k, the parts in `coded` in their smaller form
+            return sum(torch.minimum(*part_bytes(p, ks)) if name in coded else part_bytes(p, ks)[1]
+                       for name, p in parts.items())
 
         return dict(uniq=pos, k=k, v=v, weight=weight, min_rank=min_rank, parts=parts,
                     part_bytes=part_bytes, bytes=total)
 
-    def _group(self, cand: dict, k_star: int):
+    @staticmethod
+    def _coded(cand: dict, k_star: int, allowed: tuple[str, ...]) -> tuple[str, ...]:
+        """The parts of a group stored coded at k_star: allowed, and smaller than dense rows."""
+        ks = torch.tensor([k_star])
+        return tuple(name for name in allowed
+                     if int((b := cand["part_bytes"](cand["parts"][name], ks))[0]) < int(b[1]))
+
+    def _group(self, cand: dict, k_star: int, allowed: tuple[str, ...]):
         """The token store of one group keeping its tokens first kept at k < k_star."""
         sel = cand["min_rank"] < k_star
-        ks = torch.tensor([k_star])
         stored = {}
-        for name, part in cand["parts"].items():
-            coded, dense = (int(b) for b in cand["part_bytes"](part, ks))
-            if coded < dense:
-                c, ref, mag = part["codes"]
-                stored[name] = CodedRows(c, ref[sel], mag[sel], part["theta"], self.storage_dtype)
+        for name in self._coded(cand, k_star, allowed):
+            part = cand["parts"][name]
+            c, ref, mag = part["codes"]
+            stored[name] = CodedRows(c, ref[sel], mag[sel], part["theta"], self.storage_dtype)
         if not stored:
             return DenseGroup(cand["k"][sel], cand["v"][sel], cand["uniq"][sel], self.storage_dtype)
         return CodebookGroup(stored.get("k", cand["k"][sel]), stored.get("v", cand["v"][sel]),

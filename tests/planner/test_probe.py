@@ -1,0 +1,86 @@
+"""The probe engine against the model itself: its window scores are the eager attention
+weights of a plain forward (summed over the window, pooled, normalised), its similarity and
+angle statistics match direct computations on the projected K/V, and it stops after the last
+attention."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planner.probe import Prober, angle, pooled, similar_share
+
+TOKENS = list(range(1000, 1070))     # 70 tokens
+
+
+def _eager_attention(lm, ids):
+    """Per layer the [H, T, T] attention weights and the pre-RoPE K, V [H_kv, T, D] of a plain forward."""
+    kv = {}
+    hooks = []
+    for i, layer in enumerate(lm.model.model.layers):
+        a = layer.self_attn
+        hooks.append(a.k_proj.register_forward_hook(lambda m, x, y, i=i: kv.__setitem__(("k", i), y)))
+        hooks.append(a.v_proj.register_forward_hook(lambda m, x, y, i=i: kv.__setitem__(("v", i), y)))
+    old = lm.model.config._attn_implementation
+    lm.model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            out = lm.model(torch.tensor([ids]), output_attentions=True, use_cache=False)
+    finally:
+        lm.model.config._attn_implementation = old
+        for h in hooks:
+            h.remove()
+    d, hk = lm.head_dim, lm.num_kv_heads
+    shape = lambda y: y[0].view(len(ids), hk, d).transpose(0, 1)   # noqa: E731
+    return [a[0] for a in out.attentions], [(shape(kv[("k", i)]), shape(kv[("v", i)])) for i in range(lm.num_layers)]
+
+
+@pytest.mark.parametrize("gqa", ["repeat", "mean"])
+def test_window_scores_are_the_models_attention_over_the_window(tiny_model, gqa):
+    stats = Prober(lm=tiny_model, window=8, pool_kernel=3).probe(TOKENS, gqa)
+    attn, _ = _eager_attention(tiny_model, TOKENS)
+    m, hq, hk = tiny_model.num_layers, tiny_model.num_query_heads, tiny_model.num_kv_heads
+    heads = hq if gqa == "repeat" else hk
+    assert stats.window_scores.shape == (m, heads, len(TOKENS)) and stats.tokens == len(TOKENS)
+    for i in range(m):
+        want = attn[i][:, -8:].sum(1).float()                                   # [H, T]
+        if gqa == "mean":
+            want = want.view(hk, hq // hk, -1).mean(1)
+        want = pooled(want, 3)
+        np.testing.assert_allclose(stats.window_scores[i], want.numpy(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(stats.window_scores[i].sum(-1), 1.0, rtol=1e-5)
+
+
+def test_similarity_and_angles_match_direct_computations(tiny_model):
+    stats = Prober(lm=tiny_model, sample=1000).probe(TOKENS)        # sample > T: every pair
+    _, kv = _eager_attention(tiny_model, TOKENS)
+    t = len(TOKENS)
+    for i, (k, v) in enumerate(kv):
+        for x, theta, got in ((k, 0.9, stats.k_similar[i]), (v, 0.6, stats.v_similar[i])):
+            xn = F.normalize(x.float(), dim=-1)
+            cos = xn @ xn.transpose(1, 2)                                          # [H_kv, T, T]
+            off = ~torch.eye(t, dtype=torch.bool)
+            assert got == pytest.approx(float((cos > theta)[:, off].float().mean()), abs=1e-6)
+    assert stats.k_angle.shape == stats.v_angle.shape == (tiny_model.num_layers - 1,)
+    k0, k1 = kv[0][0], kv[1][0]
+    want = torch.arccos(F.cosine_similarity(k0, k1, dim=-1).clamp(-1, 1)).mean() / math.pi
+    assert stats.k_angle[0] == pytest.approx(float(want), abs=1e-5)
+    assert 0.0 <= stats.v_angle[0] <= 1.0
+
+
+def test_statistics_worked_examples():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.tensor([[[1.0, 0.0], [1.0, 0.01], [0.0, 1.0]]])                   # rows 0, 1 nearly parallel
+    assert similar_share(x, 0.9, 10, gen) == pytest.approx(2 / 6)                # pairs (0,1), (1,0) of 6
+    a = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    b = torch.tensor([[[0.0, 1.0], [0.0, 2.0]]])
+    assert angle(a, b) == pytest.approx((0.5 + 0.0) / 2)                        # 90° and 0°
+    # edges average over what exists (1.5, 1, 1, 0), then the row sums to 1
+    np.testing.assert_allclose(pooled(torch.tensor([[0.0, 3.0, 0.0, 0.0]]), 3).numpy(),
+                               [[1.5 / 3.5, 1 / 3.5, 1 / 3.5, 0.0]], rtol=1e-6)
+
+
+def test_empty_prompt_is_an_error(tiny_model):
+    with pytest.raises(ValueError, match="token_ids"):
+        Prober(lm=tiny_model).probe([])
