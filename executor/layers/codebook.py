@@ -1,9 +1,15 @@
 """`codebook` cache layer (SpindleKV) — the codebook saves first, eviction takes only what the
 codebook cannot: the layer's eviction budget is read as a BYTE budget (the dense fp16 bytes of
 that many tokens on the native KV heads), and the layer keeps the most tokens whose stored
-form fits it. Per KV group, K and V are each stored in whichever form is smaller: codebook
-indices + magnitudes (+ positions, for keys) over a unit-vector codebook (pre-RoPE K, V), or
-dense rows.
+form fits it. Per KV group, K and V are each stored as codebook indices + magnitudes (+
+positions, for keys) over a unit-vector codebook (pre-RoPE K, V), or as dense rows.
+
+Which parts the layer codes (none, V, K, or both) is the form that loses least for the bytes:
+for each, the tokens that fit the budget in that form, then the relative error of the
+observation window's attention output over them (evicted tokens missing, coded rows rebuilt)
+against the exact output over the whole context. Evicting and coding are priced in one unit,
+so a codebook whose θ is too loose for a layer (keys of a small model, often) is not used
+even where it would hold more tokens. A part is coded only where that is also smaller.
 
 A codebook is only built for a tensor that could pay for itself (spec §2.11, "auto"): a
 sampled share of vectors with a neighbour above θ (`kernels.mergeable_share`) must exceed
