@@ -34,12 +34,16 @@ class PlannedCache(Cache):
         self.state = CacheState()
         ctx = LayerContext(storage_dtype, num_kv_heads, num_query_heads or num_kv_heads, head_dim,
                            rope if rope is not None else (torch.ones(head_dim // 2), 1.0), self.state)
+        lower = _merge_partners(plan)           # lower layer -> upper layer of each merged pair
         layers = []
-        for lp in plan.layers:
-            kind = LAYER_KINDS.get(lp.kind)
+        for i, lp in enumerate(plan.layers):
+            name = "merge" if i in lower else lp.kind
+            kind = LAYER_KINDS.get(name)
             if kind is None:
-                raise UnsupportedPlan(f"layer {lp.layer}: kind {lp.kind!r} is not implemented (have {sorted(LAYER_KINDS)})")
+                raise UnsupportedPlan(f"layer {lp.layer}: kind {name!r} is not implemented (have {sorted(LAYER_KINDS)})")
             layers.append(kind(lp, ctx))
+        for j, i in lower.items():              # a merged pair shares one store, held by its upper layer
+            layers[i].pair(layers[j])
         super().__init__(layers=layers)
         self.plan = plan
         self.storage_dtype = storage_dtype
@@ -57,6 +61,29 @@ class PlannedCache(Cache):
                        2 * layer.tokens_seen * self.row_bytes)
             for i, layer in enumerate(self.layers)
         ]
+
+
+def _merge_partners(plan: CompressionPlan) -> dict[int, int]:
+    """{lower: upper} of the plan's merged pairs. A pair is declared by its upper layer
+    (`merge.with_layer` = an earlier layer, which runs first in a forward); the lower layer
+    carries no part. Merging does not stack with eviction, codebooks or quantization."""
+    lower: dict[int, int] = {}
+    for i, lp in enumerate(plan.layers):
+        if not lp.merge:
+            continue
+        j = lp.merge.with_layer
+        stacked = [p for p in ("eviction", "codebook", "quant") if getattr(lp, p) is not None]
+        if stacked:
+            raise UnsupportedPlan(f"layer {i}: merge cannot stack with {' / '.join(stacked)} on the same layer")
+        if not 0 <= j < i:
+            raise UnsupportedPlan(f"layer {i}: merge.with_layer = {j} must name an earlier layer (the pair's lower)")
+        if j in lower or plan.layers[j].merge or j in lower.values():
+            raise UnsupportedPlan(f"layer {j} is in more than one merged pair")
+        if plan.layers[j].kind != "full":
+            raise UnsupportedPlan(f"layer {j}, the lower layer of merged pair ({j}, {i}), must carry no part: merge "
+                                  f"cannot stack with {plan.layers[j].kind}")
+        lower[j] = i
+    return lower
 
 
 def _kind(layer) -> str:

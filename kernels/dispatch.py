@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import codebook, gather, ragged_attention, rope_reconstruct
+from kernels import codebook, gather, quant, ragged_attention, rope_reconstruct, slerp
 from kernels._triton import HAS_TRITON, INTERPRETED
+from kernels import hamming
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -118,3 +119,110 @@ def ragged_decode_attention(
         unit = lambda t: t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()  # noqa: E731
         return ragged_attention.ragged_decode_attention_triton(unit(q), unit(k), unit(v), offsets.contiguous(), scaling)
     return ragged_attention.ragged_decode_attention_reference(q, k, v, offsets, scaling)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit column stride and non-overlapping rows, as the kernels' launchers require."""
+    ok = (x.shape[1] <= 1 or x.stride(1) == 1) and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
+    return x if ok else x.contiguous()
+
+
+def slerp_merge(
+    x0: torch.Tensor,                        # [N, D] rows of the pair's lower layer
+    x1: torch.Tensor,                        # [N, D] rows of the upper layer
+    t: float,                                # 0 -> x0's direction, 1 -> x1's (MiniCache Eq. 3)
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (direction [N, D] unit rows, mag0 [N], mag1 [N] in out_dtype, angle Ω [N] fp32 radians);
+    see `kernels.slerp`."""
+    if x0.dim() != 2 or x0.shape != x1.shape or x0.dtype not in slerp.DTYPES or x1.dtype not in slerp.DTYPES:
+        raise ValueError(f"x0 and x1 must be fp16/bf16/fp32 [N, D] of one shape, got {x0.dtype} {list(x0.shape)} "
+                         f"and {x1.dtype} {list(x1.shape)}")
+    if not 0.0 <= t <= 1.0 or out_dtype not in slerp.DTYPES:
+        raise ValueError(f"t must be in [0, 1] and out_dtype fp16/bf16/fp32, got t={t}, {out_dtype}")
+    if use_triton(x0, x1):
+        return slerp.slerp_merge_triton(_rows(x0), _rows(x1), t, out_dtype)
+    return slerp.slerp_merge_reference(x0, x1, t, out_dtype)
+
+
+def slerp_restore(
+    direction: torch.Tensor,                 # [N, D]
+    mag: torch.Tensor,                       # [N]
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:                           # [N, D]: direction * mag / ‖direction‖, row-wise
+    """MiniCache Eq. 2; see `kernels.slerp`."""
+    if direction.dim() != 2 or direction.dtype not in slerp.DTYPES:
+        raise ValueError(f"direction must be an fp16/bf16/fp32 [N, D], got {direction.dtype} {list(direction.shape)}")
+    if mag.shape != (direction.shape[0],) or mag.dtype not in slerp.DTYPES or out_dtype not in slerp.DTYPES:
+        raise ValueError(f"mag must be fp16/bf16/fp32 [N] = [{direction.shape[0]}], got {mag.dtype} {list(mag.shape)}")
+    if use_triton(direction, mag):
+        return slerp.slerp_restore_triton(_rows(direction), mag.contiguous(), out_dtype)
+    return slerp.slerp_restore_reference(direction, mag, out_dtype)
+
+
+def _check_bits(bits: int, group_size: int) -> None:
+    if bits not in quant.BITS:
+        raise ValueError(f"bits must be one of {quant.BITS}, got {bits}")
+    per = quant.per_byte(bits)
+    if group_size < 1 or group_size % per:
+        raise ValueError(f"group_size must be a positive multiple of {per} (codes per byte at {bits} bits), "
+                         f"got {group_size}")
+
+
+def quantize_pack(
+    x: torch.Tensor,        # [N, L] fp16/bf16/fp32, L = G * group_size; groups are along the last axis
+    bits: int,              # 1, 2, 4 or 8
+    group_size: int,        # g, a multiple of 8 / bits
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # codes [N, L * bits / 8] uint8, scale, zero [N, G] fp16
+    """Per group of g consecutive elements of a row: asymmetric min/max quantization, codes
+    packed 8 / bits to a byte (see `kernels.quant`)."""
+    if x.dim() != 2 or x.dtype not in quant.X_DTYPES:
+        raise ValueError(f"x must be a fp16/bf16/fp32 [N, L] tensor, got {x.dtype} shape {list(x.shape)}")
+    _check_bits(bits, group_size)
+    if x.shape[1] % group_size:
+        raise ValueError(f"x's last dim L = {x.shape[1]} must be a multiple of group_size {group_size}")
+    if use_triton(x):
+        return quant.quantize_pack_triton(x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous(), bits, group_size)
+    return quant.quantize_pack_reference(x, bits, group_size)
+
+
+def unpack_dequantize(
+    codes: torch.Tensor,    # [N, L * bits / 8] uint8
+    scale: torch.Tensor,    # [N, G] fp16, G = L / group_size
+    zero: torch.Tensor,     # [N, G] fp16
+    bits: int,
+    group_size: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:          # [N, L] out_dtype
+    """The inverse of `quantize_pack`: x = code * scale + zero per group."""
+    _check_bits(bits, group_size)
+    if codes.dim() != 2 or codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be a uint8 [N, B] tensor, got {codes.dtype} shape {list(codes.shape)}")
+    n, L = codes.shape[0], codes.shape[1] * quant.per_byte(bits)
+    if L % group_size:
+        raise ValueError(f"codes hold L = {L} values a row at {bits} bits, not a multiple of group_size {group_size}")
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != quant.PARAM_DTYPE or t.shape != (n, L // group_size):
+            raise ValueError(f"{name} must be fp16 [N, L / group_size] = [{n}, {L // group_size}], got {t.dtype} "
+                             f"shape {list(t.shape)}")
+    if out_dtype not in quant.X_DTYPES:
+        raise ValueError(f"out_dtype must be fp16/bf16/fp32, got {out_dtype}")
+    if use_triton(codes, scale, zero):
+        unit = lambda t: t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()  # noqa: E731
+        return quant.unpack_dequantize_triton(unit(codes), unit(scale), unit(zero), bits, group_size, out_dtype)
+    return quant.unpack_dequantize_reference(codes, scale, zero, bits, group_size, out_dtype)
+
+
+def hamming_distance(
+    bits: torch.Tensor,     # [N, W] uint8/int32 packed bit vectors (`kernels.hamming.pack_bits`)
+    anchor: torch.Tensor,   # [W] same dtype
+) -> torch.Tensor:          # [N] int32: popcount(bits[n] XOR anchor)
+    """KVCrush's distance of each token's head-behaviour bits to the anchor; see `kernels.hamming`."""
+    if bits.dim() != 2 or bits.dtype not in hamming.WORD_DTYPES:
+        raise ValueError(f"bits must be a uint8/int32 [N, W] tensor, got {bits.dtype} shape {list(bits.shape)}")
+    if anchor.shape != (bits.shape[1],) or anchor.dtype != bits.dtype:
+        raise ValueError(f"anchor must be {bits.dtype} [W] = [{bits.shape[1]}], "
+                         f"got {anchor.dtype} {list(anchor.shape)}")
+    if use_triton(bits, anchor):
+        return hamming.hamming_distance_triton(_rows(bits), anchor.contiguous())
+    return hamming.hamming_distance_reference(bits, anchor)

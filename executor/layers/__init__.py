@@ -3,5 +3,7 @@ kinds up here and never inspects concrete classes."""
 from executor.layers.codebook import CodebookLayer
 from executor.layers.evicted import EvictedLayer
 from executor.layers.full import FullLayer
+from executor.layers.merge import MergeLayer
+from executor.layers.quant import QuantLayer
 
-LAYER_KINDS = {cls.kind: cls for cls in (FullLayer, EvictedLayer, CodebookLayer)}
+LAYER_KINDS = {cls.kind: cls for cls in (FullLayer, EvictedLayer, CodebookLayer, MergeLayer, QuantLayer)}

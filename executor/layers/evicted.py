@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor import scoring
+from executor import kvcrush, scoring
 from executor.attention import causal_attention
 from executor.layers.full import FullLayer, LayerContext
 from executor.layers.groups import DenseGroup, index_dtype
@@ -33,6 +33,8 @@ class EvictedLayer(FullLayer):
     def __init__(self, plan: LayerPlan, ctx: LayerContext):
         super().__init__(plan, ctx)
         self.eviction = plan.eviction or KEEP_ALL
+        if self.eviction.kvcrush is not None:
+            kvcrush.check(self.eviction.kvcrush)
         self.groups: list | None = None            # one token store per KV group, after compression
         self.head_rows: torch.Tensor | None = None  # [H, n] index into the group's tokens (`repeat` mode)
         self.prompt_rows = 0                       # n: kept prompt tokens per stored head
@@ -126,26 +128,37 @@ class EvictedLayer(FullLayer):
     def scores(self, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """q: [H, Tq, D] (the context's last chunk), k: [H_kv, T, D] -> [stored heads, T] or
         None when nothing ranks the context (StreamingLLM)."""
+        return self.rank(self.head_scores(q, k, scaling))
+
+    def head_scores(self, q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """The scorer's raw attention per query head: q: [H, Tq, D], k: [H_kv, T, D] -> [H, T] or None."""
         ev = self.eviction
         if ev.scorer == "snapkv":
-            scores = scoring.window_scores(q[:, -max(1, min(ev.window, q.shape[1])):], k, scaling)
-        elif ev.scorer == "h2o":
-            scores = self.acc
-        else:
+            return scoring.window_scores(q[:, -max(1, min(ev.window, q.shape[1])):], k, scaling)
+        return self.acc if ev.scorer == "h2o" else None
+
+    def rank(self, scores: torch.Tensor | None) -> torch.Tensor | None:
+        """[H, T] raw head scores -> [stored heads, T] the ranking eviction keeps the top of."""
+        if scores is None:
             return None
+        ev = self.eviction
         scores = scoring.spread(scoring.pool(scores, ev.pool_kernel), ev.span_tokens)
         return scores if self.repeat else scoring.group_mean(scores, self.ctx.num_kv_heads)
 
-    def rows(self, scores: torch.Tensor | None, t: int, keep: int) -> Kept:
+    def rows(self, scores: torch.Tensor | None, t: int, keep: int, head_scores: torch.Tensor | None = None) -> Kept:
+        """scores: [stored heads, T]; head_scores: [H, T] raw (KVCrush's head-behaviour bits)."""
         if scores is None and keep < t:          # nothing ranks the context: sinks + window only
             keep = 0
         ev = self.eviction
+        if ev.kvcrush is not None and scores is not None and head_scores is not None:
+            return Kept(kvcrush.select(scores, head_scores, t, keep, ev).rows, self.repeat)
         return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, self.stored_heads), self.repeat)
 
     def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """q: [H, Tq, D] the context's last chunk; k, v: [H_kv, T, D] the whole context."""
         t = k.shape[1]
-        self.compress(self.rows(self.scores(q, k, scaling), t, self.planned_keep(t)), k, v)
+        raw = self.head_scores(q, k, scaling)                                               # [H, T] or None
+        self.compress(self.rows(self.rank(raw), t, self.planned_keep(t), raw), k, v)
 
     def compress(self, kept: Kept, k: torch.Tensor, v: torch.Tensor, groups: list | None = None) -> None:
         """k, v: [H_kv, T, D] the whole context (post-RoPE keys); `groups`: token stores already

@@ -49,6 +49,6 @@ def test_kv_bytes_are_the_tensors_nbytes(tiny_model):
 def test_plans_the_executor_cannot_run_are_rejected(tiny_model):
     with pytest.raises(UnsupportedPlan, match="layers"):
         PlannedCache(full_plan(5, "t"), tiny_model.num_layers, 2, 16, torch.float16)
-    odd = CompressionPlan("t", "s", (LayerPlan(0), LayerPlan(1, eviction=Eviction(keep_tokens=3), quant=Quant(bits=4))))
+    odd = CompressionPlan("t", "s", (LayerPlan(0), LayerPlan(1, eviction=Eviction(keep_tokens=3), quant=Quant(bits=3))))
     with pytest.raises(UnsupportedPlan, match="quant"):
         PlannedCache(odd, 2, 2, 16, torch.float16)

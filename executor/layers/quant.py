@@ -1,0 +1,139 @@
+"""`quant` cache layer (KIVI): low-bit K and V with a full-precision recent tail.
+
+Per KV group, K is quantized per channel (each run of g consecutive stored tokens shares one
+scale/zero per channel) and V per token (each run of g_v consecutive channels of a token shares
+one; g_v = gcd(g, D), i.e. g when the head dim allows it), codes packed into uint8
+(`kernels.quantize_pack`), scales and zeros fp16. Keys are the post-RoPE rows the model hands
+over (KIVI quantizes post-RoPE keys per channel). The newest tokens stay in the storage dtype:
+whenever the tail reaches `residual + g` rows its oldest g are quantized, so it always holds
+the `residual` newest tokens (fewer before there are that many) and never `residual + g`.
+
+The layer stacks under eviction: it is an `EvictedLayer` whose groups are `QuantGroup`s, so it
+keeps exactly the tokens an evicted layer with the same plan keeps, and quantizes them right
+after the attention of the context's last chunk (the dense copy dropped). Without an eviction
+part it keeps every token (`KEEP_ALL`) and quantizes the whole prompt at that point. Codebook
+and quant do not stack (yet): such a plan is refused.
+
+Shapes: U stored tokens of a group, Q = n·g of them quantized, R = U - Q in the tail; D head dim."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from executor.layers.evicted import EvictedLayer
+from executor.layers.full import LayerContext
+from executor.layers.groups import _sdpa
+from kernels import quantize_pack, unpack_dequantize
+from kvplan.plan import LayerPlan, Quant
+
+LAYER_BITS = (2, 4, 8)      # what a plan may ask of a layer (the kernels also do 1 bit, for SpeCache)
+
+
+def value_group(group_size: int, head_dim: int) -> int:
+    """Channels sharing a V scale: the plan's group size where it divides the head dim, else the
+    largest divisor of both (a head dim of 16 with g = 32 -> 16)."""
+    return math.gcd(group_size, head_dim)
+
+
+def check_quant(quant: Quant, head_dim: int) -> str | None:
+    """Why a layer cannot run this quant part with this head dim, or None."""
+    if quant.bits not in LAYER_BITS:
+        return f"quant bits {quant.bits} not supported (have {LAYER_BITS})"
+    per = 8 // quant.bits
+    if quant.group_size < 1 or quant.group_size % 8:
+        return f"quant group_size must be a positive multiple of 8, got {quant.group_size}"
+    if quant.residual < 0:
+        return f"quant residual must be >= 0, got {quant.residual}"
+    if value_group(quant.group_size, head_dim) % per:
+        return (f"quant: head dim {head_dim} has no channel group that is a multiple of {per} and divides "
+                f"group_size {quant.group_size}")
+    return None
+
+
+class QuantGroup:
+    """One KV group's tokens: the oldest Q quantized (K per channel, V per token), the newest R
+    in the storage dtype. Same interface as `DenseGroup`."""
+    coded = True
+
+    def __init__(self, k_post: torch.Tensor, v: torch.Tensor, quant: Quant, dtype: torch.dtype):
+        """k_post, v: [U, D] kept rows (post-RoPE keys), in stored order."""
+        d = k_post.shape[1]
+        self.bits, self.group, self.residual = quant.bits, quant.group_size, quant.residual
+        self.v_group = value_group(self.group, d)
+        dev = k_post.device
+        self.k_codes = torch.empty(0, d, self.group * self.bits // 8, dtype=torch.uint8, device=dev)  # [n, D, g·b/8]
+        self.k_scale = torch.empty(0, d, dtype=torch.float16, device=dev)                              # [n, D]
+        self.k_zero = torch.empty(0, d, dtype=torch.float16, device=dev)                               # [n, D]
+        self.v_codes = torch.empty(0, d * self.bits // 8, dtype=torch.uint8, device=dev)              # [Q, D·b/8]
+        self.v_scale = torch.empty(0, d // self.v_group, dtype=torch.float16, device=dev)             # [Q, D/g_v]
+        self.v_zero = torch.empty(0, d // self.v_group, dtype=torch.float16, device=dev)              # [Q, D/g_v]
+        self.k_tail, self.v_tail = k_post.to(dtype), v.to(dtype)                                     # [R, D]
+        self._flush()
+
+    @property
+    def quantized_tokens(self) -> int:
+        return self.v_codes.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.quantized_tokens + self.k_tail.shape[0]
+
+    def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE)."""
+        self.k_tail = torch.cat([self.k_tail, k_post.to(self.k_tail.dtype)])
+        self.v_tail = torch.cat([self.v_tail, v.to(self.v_tail.dtype)])
+        self._flush()
+
+    def _flush(self) -> None:
+        """Quantize the tail's oldest whole groups, leaving at least `residual` rows in it."""
+        n = (self.k_tail.shape[0] - self.residual) // self.group
+        if n <= 0:
+            return
+        m, d = n * self.group, self.k_tail.shape[1]
+        k = self.k_tail[:m].reshape(n, self.group, d).transpose(1, 2).reshape(n * d, self.group)   # [n·D, g]
+        codes, scale, zero = quantize_pack(k, self.bits, self.group)
+        self.k_codes = torch.cat([self.k_codes, codes.view(n, d, -1)])
+        self.k_scale = torch.cat([self.k_scale, scale.view(n, d)])
+        self.k_zero = torch.cat([self.k_zero, zero.view(n, d)])
+        codes, scale, zero = quantize_pack(self.v_tail[:m], self.bits, self.v_group)             # [m, D] per token
+        self.v_codes = torch.cat([self.v_codes, codes])
+        self.v_scale = torch.cat([self.v_scale, scale])
+        self.v_zero = torch.cat([self.v_zero, zero])
+        self.k_tail, self.v_tail = self.k_tail[m:].clone(), self.v_tail[m:].clone()   # clone: free the rows
+
+    def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> post-RoPE K, V: [U, D] in `dtype` (dequantized rows, then the tail)."""
+        n, d = self.k_codes.shape[0], self.k_tail.shape[1]
+        k = unpack_dequantize(self.k_codes.view(n * d, self.k_codes.shape[2]), self.k_scale.view(n * d, 1),
+                              self.k_zero.view(n * d, 1), self.bits, self.group, dtype)  # [n·D, g]
+        k = k.view(n, d, self.group).transpose(1, 2).reshape(n * self.group, d)             # [Q, D]
+        v = unpack_dequantize(self.v_codes, self.v_scale, self.v_zero, self.bits, self.v_group, dtype)   # [Q, D]
+        return torch.cat([k, self.k_tail.to(dtype)]), torch.cat([v, self.v_tail.to(dtype)])
+
+    def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
+        -> [h_n, Tq, D]."""
+        k, v = self.materialize(q.dtype)
+        return _sdpa(q, k, v, mask, scaling)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+                self.k_tail, self.v_tail]
+
+
+class QuantLayer(EvictedLayer):
+    kind = "quant"
+
+    def __init__(self, plan: LayerPlan, ctx: LayerContext):
+        from executor.cache import UnsupportedPlan      # executor.cache imports this package
+        if plan.codebook is not None:
+            raise UnsupportedPlan(f"layer {plan.layer}: codebook + quant do not stack yet; plan one of them")
+        why = check_quant(plan.quant, ctx.head_dim)
+        if why is not None:
+            raise UnsupportedPlan(f"layer {plan.layer}: {why}")
+        super().__init__(plan, ctx)
+
+    def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> QuantGroup:
+        """k, v: [U, D] a group's kept tokens (post-RoPE keys); pos, weight: [U] (unused)."""
+        return QuantGroup(k, v, self.plan.quant, self.storage_dtype)
