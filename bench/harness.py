@@ -19,6 +19,8 @@ from kvplan import model as models
 from kvplan.config import ModelConfig, from_env
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan
+from planner.predict import retained_attention
+from planner.probe import Prober, ProbeStats
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 
@@ -40,6 +42,8 @@ def check_strategies(names: list[str]) -> list[str]:
 class Harness:
     lm: LoadedModel
     runner: Runner
+    prober: Prober | None = None
+    _probed: tuple | None = None          # (ids, gqa_mode, stats): the last prompt's probe (with losses)
 
     @classmethod
     def load(cls) -> "Harness":
@@ -69,15 +73,31 @@ class Harness:
             return P.build(self.tokenizer, [{"role": "user", "content": context}], question)
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
 
-    def plan(self, strategy: str, context_tokens: int, ratio: float) -> CompressionPlan:
-        inp = PlanInput("bench", strategy, context_tokens, self.shape, reserve_ratio=ratio)
+    def probe(self, ids: list[int], gqa_mode: str = "repeat", losses: bool = False) -> ProbeStats:
+        """The planner's probe of a prompt, as the planner service runs it; the last prompt's
+        result is kept, so the strategies of one prompt share one probe."""
+        got = self._probed
+        if got is None or got[0] != ids or got[1] != gqa_mode:
+            self.prober = self.prober or Prober(lm=self.lm)
+            got = self._probed = (list(ids), gqa_mode, self.prober.probe(ids, gqa_mode, losses=True))
+        return got[2]
+
+    def predicted_retained(self, strategy: str, ids: list[int], ratio: float) -> float:
+        """The planner's yardstick for this strategy's plan of this prompt (`planner.predict`)."""
+        return retained_attention(self.plan(strategy, ids, ratio), self.probe(ids), self.lm.num_kv_heads)
+
+    def plan(self, strategy: str, ids: list[int] | int, ratio: float) -> CompressionPlan:
+        """ids: the context's token ids (probing strategies need them) or just its length."""
+        n = ids if isinstance(ids, int) else len(ids)
+        probe = None if isinstance(ids, int) else (lambda **kw: self.probe(ids, **kw))
+        inp = PlanInput("bench", strategy, n, self.shape, reserve_ratio=ratio, probe=probe)
         return STRATEGIES[strategy].plan(inp, f"bench-{strategy}-{ratio:g}")
 
     def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int,
             prefix: Prefix | None = None) -> RunResult:
         """`prefix`: the prompt's leading chunks prefilled once (`Runner.prefix_of`); a run whose
         plan chunks the prompt alike starts there, the others prefill everything."""
-        plan = self.plan(strategy, len(prompt.context_ids), ratio)
+        plan = self.plan(strategy, list(prompt.context_ids), ratio)
         return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix)
 
     # -- fidelity ----------------------------------------------------------------------------------

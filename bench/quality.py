@@ -79,7 +79,8 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
         prefix = h.runner.prefix_of(prompt)        # the leading chunks, once for every run of this prompt
         for strategy, ratio in jobs:
             res = h.run(prompt, strategy, ratio, new_tokens, prefix)
-            runs[case.family, mode, strategy, ratio].append(dict(
+            predicted = h.predicted_retained(strategy, list(prompt.context_ids), ratio)
+            runs[case.family, mode, strategy, ratio].append(dict(predicted_retained=predicted,
                 id=case.id, length=case.length, depth=case.depth, key=case.key, answer=case.answer,
                 reply=res.text, correct=C.is_correct(case.answer, res.text),
                 digits=C.digits_matched(case.answer, res.text), measured_ratio=measured_ratio(res),
@@ -97,8 +98,23 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
         rows.append(dict(family=family, mode=mode, strategy=strategy, requested_ratio=ratio,
                          measured_ratio=sum(c["measured_ratio"] for c in got) / len(got),
                          correct=sum(c["correct"] for c in got), total=len(got),
-                         mean_digits=sum(c["digits"] for c in got) / len(got), cases=got))
+                         mean_digits=sum(c["digits"] for c in got) / len(got),
+                         predicted_retained=sum(c["predicted_retained"] for c in got) / len(got), cases=got))
     return rows
+
+
+def rank_correlation(rows: list[dict]) -> list[dict]:
+    """Per family and mode: Spearman's ρ between the plans' predicted retained attention and the
+    accuracy they measured, over every compressed (strategy, ratio) row."""
+    from scipy.stats import spearmanr
+    out = []
+    for family, mode in sorted({(r["family"], r["mode"]) for r in rows}):
+        mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode) and r["strategy"] != "full"]
+        if len(mine) < 3:
+            continue
+        rho, p = spearmanr([r["predicted_retained"] for r in mine], [r["correct"] / r["total"] for r in mine])
+        out.append(dict(family=family, mode=mode, rows=len(mine), spearman=float(rho), p_value=float(p)))
+    return out
 
 
 def fidelity(h: Harness, jobs, tokens: int, length: int) -> list[dict]:
@@ -109,7 +125,7 @@ def fidelity(h: Harness, jobs, tokens: int, length: int) -> list[dict]:
     forced = ref.argmax(-1).tolist()
     rows = []
     for strategy, ratio in tqdm(jobs, file=sys.stderr, desc="fidelity", dynamic_ncols=True):
-        logits, cache = h.forced_logits(prompt, h.plan(strategy, len(ids), ratio), forced)
+        logits, cache = h.forced_logits(prompt, h.plan(strategy, ids, ratio), forced)
         top1, kl = agreement(ref, logits)
         rows.append(dict(strategy=strategy, requested_ratio=ratio, measured_ratio=measured_ratio(cache),
                          top1=top1, kl=kl, tokens=tokens, document_tokens=len(ids)))
@@ -120,6 +136,7 @@ def table(rows: list[dict], fid: list[dict], jobs) -> str:
     cols = sorted({(r["family"], r["mode"]) for r in rows}, key=lambda c: (FAMILIES.index(c[0]), MODES.index(c[1])))
     head = ["strategy", "reserve", "measured"] + [f"{f} / {m.removeprefix('query_')}" for f, m in cols]
     head += ["top-1", "KL"] if fid else []
+    head += ["predicted retained"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for strategy, ratio in jobs:
         mine = {(r["family"], r["mode"]): r for r in rows if r["strategy"] == strategy and r["requested_ratio"] == ratio}
@@ -129,6 +146,7 @@ def table(rows: list[dict], fid: list[dict], jobs) -> str:
         cells = [strategy, "—" if strategy == "full" else f"{ratio:g}", f"{measured:.3f}"]
         cells += [f"{mine[c]['correct']}/{mine[c]['total']}" if c in mine else "" for c in cols]
         cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}"] if f else ([""] * 2 if fid else [])
+        cells += [f"{sum(c['predicted_retained'] for c in cases) / len(cases):.3f}" if cases else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -167,13 +185,16 @@ def main(argv=None) -> None:
                              full_score={r["mode"]: f"{r['correct']}/{r['total']}" for r in rows
                                          if r["family"] == "multikey" and r["strategy"] == "full"}),
                seconds=dict(cases=round(cases_s, 1), fidelity=round(time.perf_counter() - t0 - cases_s, 1)),
-               rows=rows, fidelity=fid)
+               rows=rows, fidelity=fid, rank_correlation=rank_correlation(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.json").write_text(json.dumps(out, indent=1))
     pngs = [niah_grid([r for r in rows if r["family"] == "niah" and (r["strategy"], r["requested_ratio"]) == job],
                       *job, args.out / (f"niah_{job[0]}.png" if job[0] == "full" else f"niah_{job[0]}_r{job[1]:g}.png"))
             for job in jobs if any(r["family"] == "niah" and (r["strategy"], r["requested_ratio"]) == job for r in rows)]
     print(table(rows, fid, jobs))
+    for rc in out["rank_correlation"]:
+        print(f"predicted retained attention vs accuracy, {rc['family']} / {rc['mode']}: Spearman ρ = "
+              f"{rc['spearman']:.2f} over {rc['rows']} plans (p = {rc['p_value']:.2g})")
     print(f"\n{len(rows)} rows, {out['seconds']['cases']}s cases + {out['seconds']['fidelity']}s fidelity; "
           f"{args.out / 'quality.json'}, {len(pngs)} NIAH heatmaps in {args.out}")
 

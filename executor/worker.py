@@ -116,7 +116,7 @@ class Worker:
         prompt = prompts.build(lm.tokenizer, checked.messages, req.question)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
         outcome = await self.planner.plan(claim.job_id, req.tenant, req.strategy, req.budget, req.profile,
-                                          len(prompt.context_ids), lm)
+                                          len(prompt.context_ids), lm, prompt.context_ids)
         sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed)
 
         loop = asyncio.get_running_loop()

@@ -4,6 +4,8 @@
     kvplan generate [PROMPT] [options]        run a job (on the cluster, or embedded)
     kvplan demo                               the built-in demo job
     kvplan strategies [set NAME]              list / switch the planner's default strategy
+    kvplan strategies define FILE             register a strategy definition (JSON/YAML) and switch to it
+    kvplan plan --strategy S --ratio R        plan a job in this process and print the per-layer plan
     kvplan serve planner|executor|cachestore  run one service in the foreground
     kvplan prepare-model                      convert the model once into the cache dir
 
@@ -62,9 +64,21 @@ def _parser() -> argparse.ArgumentParser:
         g.add_argument("--json", action="store_true", help="print one JSON object with the result statistics")
         g.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
 
-    st = sub.add_parser("strategies", help="list the planner's strategies, or `strategies set NAME`")
-    st.add_argument("action", nargs="?", choices=["set"])
-    st.add_argument("name", nargs="?")
+    st = sub.add_parser("strategies", help="list the planner's strategies, `strategies set NAME`, "
+                                           "or `strategies define FILE`")
+    st.add_argument("action", nargs="?", choices=["set", "define"])
+    st.add_argument("name", nargs="?", help="set: a strategy's name; define: a definition file (JSON or YAML)")
+
+    pl = sub.add_parser("plan", help="plan one job in this process (no service) and print the per-layer plan")
+    pl.add_argument("--strategy", required=True, help="a shipped strategy's name, or a definition file")
+    budget = pl.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--ratio", type=float, default=None, help="KV reserve ratio in (0, 1]")
+    budget.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens")
+    prompt = pl.add_mutually_exclusive_group()
+    prompt.add_argument("--tokens", type=int, default=2048, help="prompt length without a prompt file (2048)")
+    prompt.add_argument("--prompt-file", type=Path, help="tokenize this prompt (probing strategies probe it here)")
+    pl.add_argument("--json", action="store_true", help="print the plan in the proto's JSON form")
+    pl.add_argument("--plot", type=Path, metavar="FILE.png", help="draw kept tokens per layer (needs matplotlib)")
     return p
 
 
@@ -110,6 +124,8 @@ def _dispatch(args) -> int:
         return 0
     if args.cmd == "strategies":
         return _strategies(args)
+    if args.cmd == "plan":
+        return _plan(args, mcfg)
     if args.cmd == "demo":
         args.prompt, args.prompt_file, args.question = DEMO_CONTEXT, None, DEMO_QUESTION
     return _generate(args, ccfg, mcfg)
@@ -152,11 +168,12 @@ def _planner_address(ccfg: ClusterConfig, mcfg: ModelConfig) -> str | None:
 
 def _strategies(args) -> int:
     from kvplan.client import PlannerClient
+    definition = _definition_file(args.name) if args.action == "define" else None
     addr = _planner_address(from_env(ClusterConfig), from_env(ModelConfig))
     if addr is None:                     # no planner to ask: what this install ships
-        if args.action == "set":
+        if args.action:
             print("kvplan: no planner is up (no `kvplan up` cluster, no KVPLAN_PLANNER_ADDR): "
-                  "nothing to switch", file=sys.stderr)
+                  f"nothing to {'switch' if args.action == 'set' else 'define'}", file=sys.stderr)
             return 1
         from kvplan.config import PlannerConfig
         from planner.strategies import STRATEGIES
@@ -173,9 +190,48 @@ def _strategies(args) -> int:
             info = pc.set_strategy(args.name)
             print(f"active strategy: {info.name} (v{info.version})")
             return 0
+        if args.action == "define":
+            info = pc.define_strategy(definition)
+            print(f"defined and active: {info.name} (v{info.version})")
+            return 0
         got = pc.strategies()
     for s in got.strategies:
         print(f"{'*' if s.active else ' '} {s.name:<16} v{s.version:<4} {s.description}")
+    return 0
+
+
+def _definition_file(name: str | None) -> str:
+    """The text of a definition file, checked here (the planner checks it again)."""
+    from planner.request import InvalidRequest
+    from planner.strategies import parse
+    if not name:
+        raise UsageError("strategies define: give a definition FILE (JSON or YAML)")
+    try:
+        text = Path(name).read_text()
+    except OSError as e:
+        raise UsageError(f"strategies define: {e.strerror}: {name}") from None
+    try:
+        parse(text)
+    except InvalidRequest as e:
+        raise UsageError(f"{name}: {e}") from None
+    return text
+
+
+def _plan(args, mcfg: ModelConfig) -> int:
+    from kvplan import planview
+    try:
+        if args.plot:
+            planview.need_matplotlib()
+        text = None
+        if args.prompt_file is not None:
+            args.prompt = None
+            text = _read_prompt(args)
+        plan, prompt_tokens = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens, text)
+    except planview.BadInput as e:
+        raise UsageError(str(e)) from None
+    print(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))
+    if args.plot:
+        planview.plot(plan, prompt_tokens, args.plot)
     return 0
 
 

@@ -128,3 +128,7 @@ class PlannerClient(_Client):
 
     def set_strategy(self, name: str) -> planner_pb2.StrategyInfo:
         return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(name=name), timeout=10)
+
+    def define_strategy(self, definition: str) -> planner_pb2.StrategyInfo:
+        """Register (or replace) the strategy a definition (JSON or YAML text) names, and make it active."""
+        return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=definition), timeout=10)

@@ -114,6 +114,13 @@ class PlannerConfig(ServiceConfig):
     metrics_port: int = _env("KVPLAN_PLANNER_METRICS_PORT", 9151)
     redis_url: str = _env("KVPLAN_REDIS_URL", "", "Redis for the shared strategy registry; empty: in process")
     default_strategy: str = _env("KVPLAN_DEFAULT_STRATEGY", "full", "strategy used when a job names none")
+    profile_sample: float = _env("KVPLAN_PROFILE_SAMPLE", 0.1,
+                                 "share of a profile's jobs a probing strategy probes (1: every job)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < self.profile_sample <= 1.0:
+            raise ConfigError(f"KVPLAN_PROFILE_SAMPLE must be in (0, 1], got {self.profile_sample}")
 
 
 @dataclass(frozen=True)

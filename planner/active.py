@@ -1,14 +1,17 @@
-"""Where the active (default) strategy lives: in process, or in Redis so planner replicas agree."""
+"""Where the active (default) strategy and the custom definitions live: in process, or in Redis
+so planner replicas agree. Definitions are stored as canonical JSON text, keyed by name."""
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 
 ACTIVE_KEY = "kvplan:planner:active_strategy"
+DEFINITIONS_KEY = "kvplan:planner:definitions"     # hash: name -> definition JSON
 
 
 class MemoryActive:
     def __init__(self, default: str):
         self._name = default
+        self._definitions: dict[str, str] = {}
 
     async def get(self) -> str:
         return self._name
@@ -16,12 +19,21 @@ class MemoryActive:
     async def set(self, name: str) -> None:
         self._name = name
 
+    async def definitions(self) -> dict[str, str]:
+        return dict(self._definitions)
+
+    async def define(self, name: str, text: str) -> None:
+        """Register (or replace) a definition and make it active."""
+        self._definitions[name] = text
+        self._name = name
+
     async def close(self) -> None:
         pass
 
 
 class RedisActive:
-    """The active strategy in one Redis key; the first planner up seeds it with its default."""
+    """The active strategy in one Redis key, the definitions in one hash; the first planner up
+    seeds the active key with its default."""
 
     def __init__(self, url: str, default: str):
         self._r = aioredis.from_url(url)
@@ -34,6 +46,16 @@ class RedisActive:
 
     async def set(self, name: str) -> None:
         await self._r.set(ACTIVE_KEY, name)
+
+    async def definitions(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in (await self._r.hgetall(DEFINITIONS_KEY)).items()}
+
+    async def define(self, name: str, text: str) -> None:
+        """Register (or replace) a definition and make it active, both at once."""
+        async with self._r.pipeline(transaction=True) as p:
+            p.hset(DEFINITIONS_KEY, name, text)
+            p.set(ACTIVE_KEY, name)
+            await p.execute()
 
     async def close(self) -> None:
         await self._r.aclose()

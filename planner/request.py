@@ -1,7 +1,9 @@
-"""What a strategy plans from: the job's budget and the model's shape, validated."""
+"""What a strategy plans from: the job's budget and the model's shape, validated, and for probing
+strategies a lazy probe of the job's tokens (or its profile's learned budget shares)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from protos import planner_pb2
 
@@ -33,6 +35,11 @@ class PlanInput:
     kv_tokens: int | None = None
     profile: str = ""
     tenant: str = ""
+    probe: Callable[..., "ProbeStats"] | None = None     # lazy: calling it probes the job's tokens (keywords go
+                                                        # to Prober.probe: gqa_mode, losses); None: no tokens
+    layer_shares: tuple[float, ...] | None = None       # the job's profile's per-layer budget shares [m]: plan
+                                                        # from these instead of probing
+    learn: Callable[[np.ndarray], None] | None = None   # told the shares [m] a probed allocation chose
 
     @property
     def target_ratio(self) -> float:
@@ -66,6 +73,8 @@ def parse(req: planner_pb2.PlanRequest, strategy: str) -> PlanInput:
         raise InvalidRequest("model.num_query_heads", "must be a multiple of model.num_kv_heads")
     if req.prompt_tokens < 0:
         raise InvalidRequest("prompt_tokens", f"must be >= 0, got {req.prompt_tokens}")
+    if req.token_ids and len(req.token_ids) != req.prompt_tokens:
+        raise InvalidRequest("token_ids", f"has {len(req.token_ids)} ids, prompt_tokens says {req.prompt_tokens}")
     ratio, tokens = validate_budget(req.budget)
     return PlanInput(
         job_id=req.job_id, strategy=strategy, prompt_tokens=int(req.prompt_tokens),

@@ -1,6 +1,12 @@
-"""Planner service: Plan, ListStrategies, SetStrategy (hot swap: the next Plan uses it)."""
+"""Planner service: Plan, ListStrategies, SetStrategy (hot swap: the next Plan uses it).
+
+Strategies are the shipped presets plus the custom definitions SetStrategy registered (shared
+through Redis when configured). A probing strategy gets a lazy probe of the job's token ids, or,
+for a job whose profile has learned budget shares and that is not sampled, those shares instead
+(planner/profiles.py)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import uuid
@@ -8,31 +14,39 @@ import uuid
 import grpc
 from prometheus_client import Counter
 
-from kvplan.config import PlannerConfig
+from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
-from planner import request
+from planner import profiles, request
 from planner.active import open_active
-from planner.strategies import STRATEGIES
+from planner.strategies import STRATEGIES, Strategy, build, parse
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger("kvplan.planner")
 PLANS = Counter("kvplan_planner_plans_total", "plans made", ["strategy"])
+PROBES = Counter("kvplan_planner_probes_total", "probes run", ["strategy"])
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
-    def __init__(self, cfg: PlannerConfig):
+    def __init__(self, cfg: PlannerConfig, prober=None):
         if cfg.default_strategy not in STRATEGIES:
-            raise ValueError(f"KVPLAN_DEFAULT_STRATEGY={cfg.default_strategy!r} is not a strategy ({_known()})")
+            raise ValueError(f"KVPLAN_DEFAULT_STRATEGY={cfg.default_strategy!r} is not a strategy ({_known(STRATEGIES)})")
+        self.cfg = cfg
         self.active = open_active(cfg.redis_url, cfg.default_strategy)
+        self.profiles = profiles.open_profiles(cfg.redis_url)
+        self._prober = prober                      # planner.probe.Prober, made on the first probe
+        self._built: dict[str, Strategy] = {}      # definition JSON -> its strategy
 
     async def Plan(self, req: planner_pb2.PlanRequest, context) -> common_pb2.CompressionPlan:
         try:
             name = req.strategy or await self.active.get()
-            strategy = _lookup(name, "strategy")
+            strategy = await self._lookup(name, "strategy")
             inp = request.parse(req, name)
+            inp, pending = await self._probing(strategy, inp, list(req.token_ids))
+            plan = await asyncio.to_thread(strategy.plan, inp, f"plan-{uuid.uuid4().hex[:12]}")
         except request.InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        plan = strategy.plan(inp, f"plan-{uuid.uuid4().hex[:12]}")
+        if pending and pending[1]:                      # a profile's sampled job probed: learn its shares
+            await self.profiles.add(pending[0], pending[1][0])
         plan = dataclasses.replace(plan, strategy=strategy.name, strategy_version=strategy.version)
         PLANS.labels(name).inc()
         log.info("job %s: %s plan %s (%d layers)", req.job_id, name, plan.plan_id, len(plan.layers))
@@ -40,36 +54,112 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     async def ListStrategies(self, req, context) -> planner_pb2.StrategyList:
         active = await self.active.get()
-        return planner_pb2.StrategyList(active=active, strategies=[_info(s, active) for s in STRATEGIES.values()])
+        return planner_pb2.StrategyList(
+            active=active, strategies=[_info(s, active) for s in (await self._strategies()).values()])
 
     async def SetStrategy(self, req: planner_pb2.SetStrategyRequest, context) -> planner_pb2.StrategyInfo:
         try:
-            strategy = _lookup(req.name, "name")
+            if req.definition:
+                strategy = await self._define(req.definition, req.name)
+            else:
+                strategy = await self._lookup(req.name, "name")
+                await self.active.set(strategy.name)
         except request.InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await self.active.set(strategy.name)
         log.info("active strategy is now %s v%s", strategy.name, strategy.version)
         return _info(strategy, strategy.name)
 
+    async def _strategies(self) -> dict[str, Strategy]:
+        """The presets, then the custom definitions (shared through Redis when configured)."""
+        custom = {}
+        for name, text in (await self.active.definitions()).items():
+            if text not in self._built:
+                try:
+                    self._built[text] = build(parse(text))
+                except request.InvalidRequest as e:    # stored by a planner of another schema
+                    log.warning("skipping stored definition %s: %s", name, e)
+                    continue
+            custom[name] = self._built[text]
+        return {**STRATEGIES, **custom}
 
-def _known() -> str:
-    return ", ".join(sorted(STRATEGIES))
+    async def _lookup(self, name: str, field: str) -> Strategy:
+        known = STRATEGIES if name in STRATEGIES else await self._strategies()
+        if not name:
+            raise request.InvalidRequest(field, f"must name a strategy (known: {_known(known)})")
+        if name not in known:
+            raise request.InvalidRequest(field, f"unknown strategy {name!r} (known: {_known(known)})")
+        return known[name]
+
+    async def _define(self, text: str, name: str) -> Strategy:
+        """Register (or replace) a custom definition and make it active."""
+        d = parse(text)
+        if name and name != d.name:
+            raise request.InvalidRequest("name", f"{name!r} is not the definition's name {d.name!r}")
+        if d.name in STRATEGIES:
+            raise request.InvalidRequest("definition.name", f"{d.name!r} is a shipped strategy; give yours another name")
+        stored = (await self.active.definitions()).get(d.name)
+        prev = parse(stored) if stored else None
+        if not d.version:
+            same = prev is not None and dataclasses.replace(d, version=prev.version) == prev
+            d = dataclasses.replace(d, version=prev.version if same else _next_version(prev))
+        elif prev is not None and d.version == prev.version and d != prev:
+            raise request.InvalidRequest("definition.version", f"{d.name} v{d.version} is registered with other "
+                                                               "parts: give a new version (or none)")
+        strategy = build(d)
+        await self.active.define(d.name, d.to_json())
+        return strategy
+
+    async def _probing(self, strategy: Strategy, inp: request.PlanInput, token_ids: list[int]):
+        """(input, pending) for this job: a probing strategy's input gets a lazy probe (None without
+        token ids), or its profile's shares when the job is not sampled; `pending` = (profile key,
+        the list the probed allocation's shares land in), None when there is nothing to learn."""
+        if not strategy.probe_mode:
+            return inp, None
+
+        def probe(**kw):                           # keywords go to Prober.probe (gqa_mode, losses)
+            PROBES.labels(strategy.name).inc()
+            return self.prober.probe(token_ids, **{"gqa_mode": strategy.probe_mode, **kw})
+
+        inp = dataclasses.replace(inp, probe=probe if token_ids else None)
+        if not inp.profile:
+            return inp, None
+        m = inp.model
+        k = profiles.key(inp.profile, strategy.name, strategy.version, m.fingerprint, m.num_layers)
+        if not profiles.sampled(await self.profiles.next_job(k), self.cfg.profile_sample):
+            shares = await self.profiles.shares(k)
+            if shares is not None:
+                return dataclasses.replace(inp, layer_shares=tuple(shares.tolist()), probe=None), None
+        learned: list = []
+        return dataclasses.replace(inp, learn=learned.append), (k, learned)
+
+    @property
+    def prober(self):
+        if self._prober is None:
+            from planner.probe import Prober
+            self._prober = Prober(from_env(ModelConfig))
+        return self._prober
+
+    async def close(self) -> None:
+        await self.active.close()
+        await self.profiles.close()
 
 
-def _lookup(name: str, field: str):
-    if not name:
-        raise request.InvalidRequest(field, f"must name a strategy (known: {_known()})")
-    if name not in STRATEGIES:
-        raise request.InvalidRequest(field, f"unknown strategy {name!r} (known: {_known()})")
-    return STRATEGIES[name]
+def _next_version(prev) -> str:
+    if prev is None:
+        return "1"
+    return str(int(prev.version) + 1) if prev.version.isdigit() else prev.version + ".1"
 
 
-def _info(s, active: str) -> planner_pb2.StrategyInfo:
+def _known(strategies) -> str:
+    return ", ".join(sorted(strategies))
+
+
+def _info(s: Strategy, active: str) -> planner_pb2.StrategyInfo:
     return planner_pb2.StrategyInfo(name=s.name, version=s.version, description=s.description, active=s.name == active)
 
 
-def build_service(cfg: PlannerConfig) -> Service:
-    servicer = PlannerServicer(cfg)
+def build_service(cfg: PlannerConfig, prober=None) -> Service:
+    servicer = PlannerServicer(cfg, prober)
 
     async def warmup():
         await servicer.active.get()   # reach Redis before reporting SERVING
@@ -77,5 +167,5 @@ def build_service(cfg: PlannerConfig) -> Service:
     return Service(
         name="planner", full_names=["kvplan.v1.Planner"],
         register=lambda server: planner_pb2_grpc.add_PlannerServicer_to_server(servicer, server),
-        warmup=warmup, stop=servicer.active.close,
+        warmup=warmup, stop=servicer.close,
     )

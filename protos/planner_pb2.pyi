@@ -66,7 +66,9 @@ class StrategyList(_message.Message):
     def __init__(self, strategies: _Optional[_Iterable[_Union[StrategyInfo, _Mapping]]] = ..., active: _Optional[str] = ...) -> None: ...
 
 class SetStrategyRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "definition")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    DEFINITION_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    definition: str
+    def __init__(self, name: _Optional[str] = ..., definition: _Optional[str] = ...) -> None: ...

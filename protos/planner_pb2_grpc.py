@@ -69,7 +69,8 @@ class PlannerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetStrategy(self, request, context):
-        """Set the default strategy used when a job names none. Takes effect on the next Plan.
+        """Set the default strategy used when a job names none (by name, or by a new definition).
+        Takes effect on the next Plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,16 @@
-"""The CLI without any service up: `strategies` lists the shipped registry, `strategies set`
-says there is nothing to switch (exit 1), bad input exits 2."""
+"""The CLI without a cluster: `strategies` lists the shipped registry, `strategies set` says there
+is nothing to switch (exit 1), `strategies define` against an in-process planner, `plan` in
+process (table, proto JSON, plot, probing a prompt file), bad input exits 2."""
+import asyncio
+import dataclasses
+import json
+import sys
+import threading
+
+import pytest
+
 from kvplan import cli
+from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 
 
@@ -30,3 +40,146 @@ def test_generate_without_a_prompt_exits_2(monkeypatch, tmp_path, capsys):
     _no_cluster(monkeypatch, tmp_path)
     assert cli.main(["generate"]) == 2
     assert "give a PROMPT" in capsys.readouterr().err
+
+
+# ---- `kvplan strategies define` ------------------------------------------------------------
+
+MINE = "name: mine\ndescription: snapkv, pool 5\neviction: {scorer: snapkv, pool_kernel: 5}\n"
+
+
+@pytest.fixture
+def planner_up(monkeypatch, tmp_path):
+    """A planner in a background event loop; KVPLAN_PLANNER_ADDR points at it."""
+    from kvplan import serving
+    from kvplan.config import PlannerConfig, from_env
+    from planner.service import build_service
+
+    _no_cluster(monkeypatch, tmp_path)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url="")
+    svc = build_service(cfg)
+    server, port = asyncio.run_coroutine_threadsafe(serving.start(svc, cfg, with_metrics=False), loop).result(10)
+    monkeypatch.setenv("KVPLAN_PLANNER_ADDR", f"127.0.0.1:{port}")
+    yield
+    asyncio.run_coroutine_threadsafe(serving.shutdown(server, svc, 0.5), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_strategies_define_registers_and_activates_a_definition(planner_up, tmp_path, capsys):
+    f = tmp_path / "mine.yaml"
+    f.write_text(MINE)
+    assert cli.main(["strategies", "define", str(f)]) == 0
+    assert "defined and active: mine (v1)" in capsys.readouterr().out
+    assert cli.main(["strategies"]) == 0
+    active = [line for line in capsys.readouterr().out.splitlines() if line.startswith("*")]
+    assert len(active) == 1 and active[0].split()[1:3] == ["mine", "v1"]
+
+
+@pytest.mark.parametrize("text, words", [
+    (MINE.replace("scorer: snapkv", "scorer: foo"), "definition.eviction.scorer: 'foo' is not one of"),
+    ("name: x\noffload: {}\n", "definition.offload: reserved: offload lands with the cachestore issue"),
+    ("{name: x", "definition: not valid JSON or YAML"),
+])
+def test_strategies_define_a_bad_file_exits_2_naming_the_field(planner_up, tmp_path, capsys, text, words):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    assert cli.main(["strategies", "define", str(f)]) == 2
+    assert words in capsys.readouterr().err
+    assert cli.main(["strategies", "define", str(tmp_path / "missing.yaml")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_strategies_define_without_a_planner_fails_clearly(monkeypatch, tmp_path, capsys):
+    _no_cluster(monkeypatch, tmp_path)
+    f = tmp_path / "mine.yaml"
+    f.write_text(MINE)
+    assert cli.main(["strategies", "define", str(f)]) == 1
+    assert "nothing to define" in capsys.readouterr().err
+
+
+# ---- `kvplan plan` -------------------------------------------------------------------------
+
+@pytest.fixture
+def real_shape(monkeypatch, real_model_dir):
+    monkeypatch.setenv("KVPLAN_MODEL", str(real_model_dir))
+
+
+def _local(name, ratio, prompt):
+    inp = PlanInput(job_id="j", strategy=name, prompt_tokens=prompt, reserve_ratio=ratio,
+                    model=ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64))
+    return STRATEGIES[name].plan(inp, "p")
+
+
+def test_plan_prints_the_per_layer_table(real_shape, capsys):
+    assert cli.main(["plan", "--strategy", "spindlekv", "--ratio", "0.2"]) == 0
+    head, columns, *rows = capsys.readouterr().out.splitlines()
+    assert head.startswith("spindlekv v2: 2048 prompt tokens, predicted reserve ratio 0.200")
+    assert columns.split()[:4] == ["layer", "kind", "keep_tokens", "window"]
+    want = _local("spindlekv", 0.2, 2048)
+    assert [r.split()[:3] for r in rows] == [[str(lp.layer), lp.kind, str(lp.eviction.keep_tokens)] for lp in want.layers]
+    assert all("0.98/0.95" in r for r in rows)
+
+
+def test_plan_json_is_the_protos_json_form(real_shape, capsys):
+    assert cli.main(["plan", "--strategy", "pyramidkv", "--kv-tokens", "1000", "--tokens", "4096", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = _local("pyramidkv", 1000 / 4096, 4096)
+    assert (got["strategy"], got["strategy_version"]) == ("pyramidkv", "1")
+    assert [int(lp["eviction"]["keep_tokens"]) for lp in got["layers"]] == [lp.eviction.keep_tokens for lp in want.layers]
+    assert got["layers"][3]["eviction"]["pool_kernel"] == 7
+
+
+def test_plan_minicache_shows_the_merged_pairs(real_shape, capsys):
+    assert cli.main(["plan", "--strategy", "minicache", "--ratio", "0.5"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [r.split()[1] for r in rows] == ["full"] * 16 + ["merge", "full"] * 7
+    assert "with 15, t 0.6" in rows[16]
+
+
+def test_plan_a_definition_file(real_shape, tmp_path, capsys):
+    f = tmp_path / "q.yaml"
+    f.write_text("name: q\neviction: {scorer: h2o}\nquant: {bits: 2}\n")
+    assert cli.main(["plan", "--strategy", str(f), "--ratio", "0.5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["strategy"] == "q" and got["layers"][0]["quant"]["bits"] == 2
+    f.write_text("name: q\neviction: {scorer: h2o, window: -1}\n")
+    assert cli.main(["plan", "--strategy", str(f), "--ratio", "0.5"]) == 2
+    assert "definition.eviction.window: -1 is less than the minimum of 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategy", "nope", "--ratio", "0.5"], "unknown strategy 'nope'"),
+    (["--strategy", "snapkv", "--ratio", "1.5"], "--ratio: must be in (0, 1], got 1.5"),
+    (["--strategy", "snapkv", "--ratio", "0"], "--ratio: must be in (0, 1], got 0"),
+    (["--strategy", "snapkv", "--kv-tokens", "0"], "--kv-tokens: must be >= 1"),
+    (["--strategy", "xkv", "--ratio", "0.5"], "strategy xkv probes the prompt: give --prompt-file"),
+])
+def test_plan_bad_input_exits_2(real_shape, capsys, argv, words):
+    assert cli.main(["plan", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_plan_probes_a_prompt_file_in_process(monkeypatch, tiny_model_dir, tmp_path, capsys):
+    monkeypatch.setenv("KVPLAN_MODEL", str(tiny_model_dir))
+    f = tmp_path / "prompt.txt"
+    f.write_text(" ".join(f"word{i}" for i in range(300)))
+    assert cli.main(["plan", "--strategy", "xkv", "--ratio", "0.3", "--prompt-file", str(f), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["layers"]) == 2 and 0.0 < got["predicted_retained_attention"] < 1.0
+    assert all(lp["eviction"]["gqa_mode"] == "repeat" for lp in got["layers"])
+
+
+def test_plan_plot_draws_a_png(real_shape, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    assert cli.main(["plan", "--strategy", "spindlekv", "--ratio", "0.3", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in capsys.readouterr().err
+
+
+def test_plan_plot_without_matplotlib_exits_2(real_shape, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err

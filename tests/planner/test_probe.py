@@ -84,3 +84,32 @@ def test_statistics_worked_examples():
 def test_empty_prompt_is_an_error(tiny_model):
     with pytest.raises(ValueError, match="token_ids"):
         Prober(lm=tiny_model).probe([])
+
+
+def test_losses_fall_as_more_is_kept_and_vanish_when_all_is(tiny_model):
+    stats = Prober(lm=tiny_model, window=8).probe(TOKENS, "mean", losses=True)
+    lo = stats.losses
+    m = tiny_model.num_layers
+    assert lo.evict.shape == lo.retained.shape == (m, len(lo.fractions)) and lo.quant.shape == (m, len(lo.bits))
+    assert lo.fractions[0] == 1.0 and lo.bits[0] == 16
+    np.testing.assert_allclose(lo.evict[:, 0], 0.0, atol=1e-10)            # everything kept: exact
+    np.testing.assert_allclose(lo.retained[:, 0], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(lo.quant[:, 0], 0.0)
+    assert (np.diff(lo.retained, axis=1) <= 1e-6).all()                    # keeping less retains less
+    assert (lo.evict[:, -1] > 0).all()                                     # sinks + window only: lossy
+    assert (np.diff(lo.quant[:, 1:], axis=1) > 0).all()                    # 8 < 4 < 2 bits in error
+
+
+def test_quantization_loss_is_the_dequantized_attention():
+    """Worked example: one head, values already on the 2-bit grid of their group, keys constant
+    per channel: 2-bit quantization is exact (scale 1, zero 0) and the loss is 0; at 4 and 8 bits
+    the grid step 3/15, 3/255 is not an fp16 number, so the loss is tiny but not 0."""
+    from planner.probe import layer_losses
+    t, d = 32, 8
+    v = torch.tensor([0.0, 1.0, 2.0, 3.0]).repeat(t, d // 4)[None]          # [1, T, D], groups of 8 = 2x(0..3)
+    k = torch.ones(1, t, d)
+    q = torch.randn(1, 4, d, generator=torch.Generator().manual_seed(0))
+    mass = torch.rand(1, t, generator=torch.Generator().manual_seed(1))
+    _, _, quant = layer_losses(q, k, v, mass, 0.5, 4)
+    assert quant[0] == 0.0 and quant[3] < 1e-12                            # 16 bits, 2 bits: exact
+    assert 0.0 < max(quant[1], quant[2]) < 1e-6

@@ -1,4 +1,5 @@
-"""The planner over real gRPC on 127.0.0.1: plans, strategy listing, hot swap, bad input."""
+"""The planner over real gRPC on 127.0.0.1: plans, strategy listing, hot swap by name or by
+definition, probing strategies (a counting fake prober), profile mode, bad input."""
 import dataclasses
 
 import grpc
@@ -10,13 +11,19 @@ from kvplan.plan import CompressionPlan
 from planner import strategies
 from planner.service import build_service
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
+from tests.planner.fakes import CountingProbe
 
 SHAPE = planner_pb2.ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="f")
+MINE = """
+name: mine
+description: snapkv with a smaller pool
+eviction: {scorer: snapkv, pool_kernel: 5}
+"""
 
 
-async def _planner(redis_url: str = ""):
-    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url=redis_url)
-    svc = build_service(cfg)
+async def _planner(redis_url: str = "", prober=None, **overrides):
+    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url=redis_url, **overrides)
+    svc = build_service(cfg, prober)
     server, port = await serving.start(svc, cfg, with_metrics=False)
     assert await serving.wait_serving(f"127.0.0.1:{port}", 10)
     ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -94,7 +101,7 @@ async def test_list_strategies_names_every_registered_one():
     try:
         listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
         names = {s.name for s in listed.strategies}
-        assert names == {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv", "spindlekv_paper"}
+        assert names == set(strategies.STRATEGIES) and {"xkv", "minicache", "spindlekv+xkv"} <= names
         assert all(s.version and s.description for s in listed.strategies)
     finally:
         await _close(server, svc, ch)
@@ -112,3 +119,122 @@ async def test_spindlekv_plan_over_the_wire():
         assert plan.predicted_reserve_ratio == pytest.approx(0.4, abs=1e-3)
     finally:
         await _close(server, svc, ch)
+
+
+def _ratio_req(**kw) -> planner_pb2.PlanRequest:
+    return planner_pb2.PlanRequest(**{"job_id": "j", "prompt_tokens": 4096, "model": SHAPE,
+                                      "budget": common_pb2.Budget(reserve_ratio=0.2), **kw})
+
+
+async def test_set_strategy_with_a_definition_registers_it_and_makes_it_active():
+    server, svc, ch, stub = await _planner()
+    try:
+        info = await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE), timeout=5)
+        assert (info.name, info.version, info.active) == ("mine", "1", True)
+        listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
+        assert listed.active == "mine" and "mine" in {s.name for s in listed.strategies}
+        plan = CompressionPlan.from_proto(await stub.Plan(_ratio_req(), timeout=5))
+        assert (plan.strategy, plan.strategy_version) == ("mine", "1")
+        assert {(lp.eviction.pool_kernel, lp.eviction.scorer) for lp in plan.layers} == {(5, "snapkv")}
+
+        again = await stub.SetStrategy(planner_pb2.SetStrategyRequest(name="mine", definition=MINE), timeout=5)
+        assert again.version == "1"                                         # the same parts: the same version
+        changed = MINE.replace("pool_kernel: 5", "pool_kernel: 3")
+        assert (await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=changed), timeout=5)).version == "2"
+        plan = CompressionPlan.from_proto(await stub.Plan(_ratio_req(strategy="mine"), timeout=5))
+        assert plan.strategy_version == "2" and plan.layers[0].eviction.pool_kernel == 3
+        with pytest.raises(grpc.aio.AioRpcError) as e:                      # a version names one set of parts
+            await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE + 'version: "2"\n'), timeout=5)
+        assert e.value.details().startswith("definition.version:")
+    finally:
+        await _close(server, svc, ch)
+
+
+@pytest.mark.parametrize("req, details", [
+    (planner_pb2.SetStrategyRequest(definition=MINE.replace("scorer: snapkv", "scorer: foo")),
+     "definition.eviction.scorer: 'foo' is not one of ['snapkv', 'h2o', 'streaming_llm']"),
+    (planner_pb2.SetStrategyRequest(definition=MINE + "offload: {enabled: true}\n"),
+     "definition.offload: reserved: offload lands with the cachestore issue"),
+    (planner_pb2.SetStrategyRequest(definition="name: snapkv\n"), "definition.name: 'snapkv' is a shipped strategy"),
+    (planner_pb2.SetStrategyRequest(name="other", definition=MINE), "name: 'other' is not the definition's name"),
+    (planner_pb2.SetStrategyRequest(definition="{name: mine"), "definition: not valid JSON or YAML"),
+])
+async def test_a_bad_definition_is_invalid_argument_and_the_old_strategy_stays(req, details):
+    server, svc, ch, stub = await _planner()
+    try:
+        await stub.SetStrategy(planner_pb2.SetStrategyRequest(name="snapkv"), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.SetStrategy(req, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(details)
+        listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
+        assert listed.active == "snapkv" and "mine" not in {s.name for s in listed.strategies}
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_planner_replicas_share_custom_definitions_through_redis(redis_db):
+    a, b = await _planner(redis_db), await _planner(redis_db)
+    try:
+        await a[3].SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE), timeout=5)
+        listed = await b[3].ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
+        assert listed.active == "mine" and "mine" in {s.name for s in listed.strategies}
+        plan = CompressionPlan.from_proto(await b[3].Plan(_ratio_req(), timeout=5))
+        assert plan.strategy == "mine" and plan.layers[0].eviction.pool_kernel == 5
+        await b[3].SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE.replace("5}", "3}")), timeout=5)
+        plan = CompressionPlan.from_proto(await a[3].Plan(_ratio_req(), timeout=5))
+        assert plan.strategy_version == "2" and plan.layers[0].eviction.pool_kernel == 3
+    finally:
+        await _close(*a[:3])
+        await _close(*b[:3])
+
+
+async def test_a_probing_strategy_probes_the_jobs_token_ids():
+    prober = CountingProbe()
+    server, svc, ch, stub = await _planner(prober=prober)
+    try:
+        msg = await stub.Plan(_ratio_req(strategy="xkv", token_ids=list(range(4096))), timeout=10)
+        plan = CompressionPlan.from_proto(msg)
+        assert prober.calls == [(list(range(4096)), "repeat")]
+        assert len({lp.eviction.keep_tokens for lp in plan.layers}) > 1 and 0 < plan.predicted_retained_attention < 1
+        for bad in (_ratio_req(strategy="xkv"), _ratio_req(strategy="xkv", token_ids=[1, 2, 3])):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Plan(bad, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids:")
+        await stub.Plan(_ratio_req(strategy="snapkv", token_ids=list(range(4096))), timeout=5)
+        assert len(prober.calls) == 1                                      # snapkv never probes
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_profile_mode_probes_a_sample_and_plans_the_rest_from_the_learned_shares():
+    prober = CountingProbe()
+    server, svc, ch, stub = await _planner(prober=prober, profile_sample=0.25)
+    try:
+        plans = []
+        for i in range(9):
+            req = _ratio_req(strategy="xkv", profile="reports", job_id=f"j{i}")
+            if i % 4 == 0:                                   # only the sampled jobs need their tokens
+                req.token_ids.extend(range(4096))
+            plans.append(CompressionPlan.from_proto(await stub.Plan(req, timeout=10)))
+        assert len(prober.calls) == 3                        # jobs 0, 4, 8
+        keeps = [[lp.eviction.keep_tokens for lp in p.layers] for p in plans]
+        assert all(k == keeps[0] for k in keeps)             # identical probes: identical shares and budgets
+        assert [p.predicted_retained_attention < 1 for p in plans] == [i % 4 == 0 for i in range(9)]
+        await stub.Plan(_ratio_req(strategy="xkv", token_ids=list(range(4096))), timeout=10)
+        assert len(prober.calls) == 4                        # no profile: per-request mode
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_profiles_are_shared_by_replicas_through_redis(redis_db):
+    pa, pb = CountingProbe(), CountingProbe()
+    a, b = await _planner(redis_db, prober=pa), await _planner(redis_db, prober=pb)
+    try:
+        ids = list(range(4096))
+        await a[3].Plan(_ratio_req(strategy="xkv", profile="p", token_ids=ids), timeout=10)
+        for _ in range(3):
+            await b[3].Plan(_ratio_req(strategy="xkv", profile="p"), timeout=10)
+        assert (len(pa.calls), len(pb.calls)) == (1, 0)
+    finally:
+        await _close(*a[:3])
+        await _close(*b[:3])

@@ -1,5 +1,8 @@
-"""Each strategy's plan for the SmolLM2 shape (30 layers, 9 q / 3 kv heads, d_h 64)."""
-import dataclasses
+"""Each shipped strategy's plan for the SmolLM2 shape (30 layers, 9 q / 3 kv heads, d_h 64).
+The presets that replaced the recipe code plan exactly what it planned (golden plans recorded
+from it: data/preset_plans.json)."""
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,17 +10,21 @@ import pytest
 from kvplan.plan import Codebook, CompressionPlan
 from planner.allocation import pyramid_keep_counts
 from planner.request import ModelShape, PlanInput
-from planner.strategies import RECIPES, STRATEGIES, EvictionRecipe
+from planner.strategies import PLANNERS, PRESETS, STRATEGIES, Strategy, build, parse
+from tests.planner.fakes import CountingProbe, stats
 
 SHAPE = ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="fp")
 EVICTING = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv", "spindlekv_paper"]
+PROBING = ["xkv", "xkv+kvcrush", "spindlekv+xkv"]
+GOLDEN = json.loads((Path(__file__).parent / "data" / "preset_plans.json").read_text())
+STATS = stats()
 
 
 def plan(name, prompt=4096, ratio=None, kv_tokens=None) -> CompressionPlan:
     if ratio is None and kv_tokens is None:
         ratio = 0.4
     inp = PlanInput(job_id="j", strategy=name, prompt_tokens=prompt, model=SHAPE, reserve_ratio=ratio,
-                    kv_tokens=kv_tokens)
+                    kv_tokens=kv_tokens, probe=lambda **kw: STATS)
     return STRATEGIES[name].plan(inp, "plan-1")
 
 
@@ -25,13 +32,35 @@ def evictions(p):
     return [lp.eviction for lp in p.layers]
 
 
-def test_registry_holds_the_six_strategies():
-    assert set(STRATEGIES) == {"full", *EVICTING}
+def test_registry_holds_the_shipped_presets():
+    assert set(STRATEGIES) == {"full", *EVICTING, *PROBING, "minicache", "auto"}
+    assert [d.name for d in PRESETS] == list(STRATEGIES)
     for name, s in STRATEGIES.items():
         assert s.name == name and s.version and s.description and "\n" not in s.description
+        assert s.definition.name == name and (s.probe_mode is not None) == (name in PROBING + ["auto"])
+    assert STRATEGIES["spindlekv"].version == "2"
 
 
-@pytest.mark.parametrize("name", ["full", *EVICTING])
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda g: f"{g['strategy']}-{g['prompt']}-{g.get('ratio', g.get('kv_tokens'))}")
+def test_presets_plan_exactly_what_the_recipe_code_planned(case):
+    p = plan(case["strategy"], prompt=case["prompt"], ratio=case.get("ratio"), kv_tokens=case.get("kv_tokens"))
+    assert STRATEGIES[case["strategy"]].version == case["version"]
+    assert [lp.eviction.keep_tokens if lp.eviction else None for lp in p.layers] == case["keep"]
+    for lp in p.layers:
+        ev = lp.eviction
+        if ev is not None:
+            assert [ev.window, ev.sink_tokens, ev.pool_kernel, ev.scorer, ev.gqa_mode, ev.span_tokens] == case["eviction"]
+            assert (ev.keep_ratio, ev.kvcrush) == (None, None)
+        assert lp.codebook == (Codebook(*case["codebook"]) if case["codebook"] else None)
+        assert (lp.merge, lp.quant) == (None, None)
+    assert p.predicted_reserve_ratio == case["predicted_reserve_ratio"]
+
+
+def test_every_preset_has_golden_plans_or_is_new():
+    assert {g["strategy"] for g in GOLDEN} == {"full", *EVICTING}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_every_plan_covers_every_layer_and_round_trips(name):
     p = plan(name)
     assert p.plan_id == "plan-1" and p.strategy == name and p.model_fingerprint == "fp"
@@ -94,21 +123,21 @@ def test_spindlekv_at_large_ratios_leaves_the_shallow_layers_to_the_codebook():
     assert p.predicted_reserve_ratio == pytest.approx(0.8, abs=1 / 4096)
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", EVICTING + PROBING)
 def test_kv_tokens_budget_equals_the_same_ratio(name):
     by_tokens, by_ratio = plan(name, kv_tokens=1638), plan(name, ratio=1638 / 4096)
     assert by_tokens.layers == by_ratio.layers
     assert by_tokens.predicted_reserve_ratio == pytest.approx(by_ratio.predicted_reserve_ratio)
 
 
-@pytest.mark.parametrize("name", ["full", *EVICTING])
+@pytest.mark.parametrize("name", list(STRATEGIES))
 @pytest.mark.parametrize("budget", [dict(ratio=1.0), dict(kv_tokens=4096), dict(kv_tokens=10_000)])
 def test_a_budget_holding_the_prompt_compresses_nothing(name, budget):
     p = plan(name, **budget)
     assert [lp.kind for lp in p.layers] == ["full"] * 30 and p.predicted_reserve_ratio == 1.0
 
 
-@pytest.mark.parametrize("name", ["full", *EVICTING])
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_an_empty_prompt_gets_the_full_plan(name):
     p = plan(name, prompt=0)
     assert [lp.kind for lp in p.layers] == ["full"] * 30 and p.predicted_reserve_ratio == 1.0
@@ -128,7 +157,7 @@ def test_a_budget_below_the_window_keeps_the_window_and_predicts_it():
     assert {(ev.keep_tokens, ev.sink_tokens, ev.window) for ev in evictions(s)} == {(0, 3, 0)}
 
 
-@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("name", EVICTING + PROBING)
 @pytest.mark.parametrize("r", [0.05, 0.2, 0.4, 0.7])
 def test_predicted_ratio_is_the_mean_kept_share(name, r):
     p = plan(name, ratio=r)
@@ -137,13 +166,42 @@ def test_predicted_ratio_is_the_mean_kept_share(name, r):
     assert p.predicted_reserve_ratio <= r + 1e-9 or p.predicted_reserve_ratio == pytest.approx(32 / 4096)
 
 
-@pytest.mark.parametrize("bad", [dict(scorer="nope"), dict(scorer="snapkv", gqa_mode="nope"),
-                                 dict(scorer="snapkv", allocation="nope"),
-                                 dict(scorer="snapkv", pool_kernel=0), dict(scorer="snapkv", window=-1)])
-def test_recipes_are_validated(bad):
-    with pytest.raises(ValueError):
-        EvictionRecipe(**bad)
+@pytest.mark.parametrize("name", PROBING)
+def test_probing_presets_split_the_uniform_total_by_the_probe(name):
+    p, snap = plan(name, ratio=0.2), plan("snapkv", ratio=0.2)
+    keep = [lp.eviction.keep_tokens for lp in p.layers]
+    assert sum(keep) == sum(lp.eviction.keep_tokens for lp in snap.layers) and len(set(keep)) > 1
+    assert all(lp.eviction.gqa_mode == "repeat" and lp.eviction.scorer == "snapkv" for lp in p.layers)
+    assert 0.0 < p.predicted_retained_attention < 1.0 and snap.predicted_retained_attention == 1.0
+    assert (p.layers[0].eviction.kvcrush is not None) == (name == "xkv+kvcrush")
+    assert (p.layers[0].codebook is not None) == (name == "spindlekv+xkv")
 
 
-def test_recipes_are_plain_data():
-    assert dataclasses.replace(RECIPES["snapkv"], pool_kernel=5).pool_kernel == 5
+def test_probing_presets_probe_only_when_they_compress():
+    probe = CountingProbe(STATS)
+    for ratio in (1.0, 0.3):
+        STRATEGIES["xkv"].plan(PlanInput(job_id="j", strategy="xkv", prompt_tokens=4096, model=SHAPE,
+                                         reserve_ratio=ratio, probe=probe), "p")
+    assert len(probe.calls) == 1
+
+
+def test_minicache_merges_pairs_from_the_middle_layer():
+    p = plan("minicache", ratio=0.5)
+    merged = {lp.layer: lp.merge.with_layer for lp in p.layers if lp.merge}
+    assert merged == {16: 15, 18: 17, 20: 19, 22: 21, 24: 23, 26: 25, 28: 27}
+    assert all(lp.kind == "full" for lp in p.layers if not lp.merge)
+    assert all((lp.merge.t, lp.merge.retention_k, lp.merge.retention_v) == pytest.approx((0.6, 0.05, 0.05))
+               for lp in p.layers if lp.merge)
+    assert 0.75 < p.predicted_reserve_ratio < 0.8      # 16 full layers + 14 at ~(1 + 2·0.05)/2
+
+
+def test_planners_registry_builds_a_strategy_per_kind(monkeypatch):
+    seen = []
+
+    def fake(d):
+        seen.append(d.name)
+        return Strategy(d.name, d.version or "1", d.description, lambda inp, pid: None)
+
+    monkeypatch.setitem(PLANNERS, "auto", fake)
+    s = build(parse("{name: mine, kind: auto, options: {target: 0.9}}"))
+    assert (s.name, seen) == ("mine", ["mine"]) and s.definition is None

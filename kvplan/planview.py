@@ -1,0 +1,143 @@
+"""`kvplan plan`: plan one job in this process (no service) and show the plan — a per-layer table,
+the proto's JSON form (`--json`), or a bar chart of kept tokens per layer (`--plot`).
+
+The strategy is a shipped one's name or a definition file. The prompt is `--tokens N` tokens
+long, or a file tokenized as the executor would (one user message); a probing strategy then
+probes it here, with the model loaded in process."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from kvplan.config import ModelConfig
+from kvplan.plan import CompressionPlan, LayerPlan
+
+COLOURS = {"full": "#9e9e9e", "evicted": "#1f77b4", "codebook": "#ff7f0e", "merge": "#2ca02c", "quant": "#9467bd"}
+
+
+class BadInput(ValueError):
+    """Exit code 2."""
+
+
+def strategy(spec: str):
+    """A shipped strategy by name, or the one a definition file (JSON/YAML) defines."""
+    from planner.request import InvalidRequest
+    from planner.strategies import STRATEGIES, build, parse
+    if spec in STRATEGIES:
+        return STRATEGIES[spec]
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+        try:
+            return build(parse(path.read_text()))
+        except OSError as e:
+            raise BadInput(f"--strategy: {e.strerror}: {spec}") from None
+        except InvalidRequest as e:
+            raise BadInput(f"{spec}: {e}") from None
+    raise BadInput(f"--strategy: unknown strategy {spec!r} (known: {', '.join(sorted(STRATEGIES))}; "
+                   "or give a definition file)")
+
+
+def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | None, tokens: int,
+         prompt: str | None) -> tuple[CompressionPlan, int]:
+    """-> (the plan, the prompt's tokens)."""
+    from planner.request import InvalidRequest, PlanInput
+    s = strategy(spec)
+    if ratio is not None and not 0.0 < ratio <= 1.0:
+        raise BadInput(f"--ratio: must be in (0, 1], got {ratio:g}")
+    if kv_tokens is not None and kv_tokens < 1:
+        raise BadInput(f"--kv-tokens: must be >= 1, got {kv_tokens}")
+    if tokens < 1:
+        raise BadInput(f"--tokens: must be >= 1, got {tokens}")
+    shape, path = _shape(mcfg)
+    ids = _tokenize(path, prompt) if prompt is not None else None
+    probe = None
+    if ids and s.probe_mode:
+        from planner.probe import Prober
+        probe = lambda **kw: Prober(mcfg).probe(ids, **{"gqa_mode": s.probe_mode, **kw})   # noqa: E731
+    inp = PlanInput(job_id="cli", strategy=s.name, prompt_tokens=len(ids) if ids is not None else tokens,
+                    model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens, probe=probe)
+    try:
+        plan = s.plan(inp, "local")
+    except InvalidRequest as e:
+        if e.field == "token_ids":
+            raise BadInput(f"--prompt-file: strategy {s.name} probes the prompt: give --prompt-file") from None
+        raise BadInput(str(e)) from None
+    return dataclasses.replace(plan, strategy=s.name, strategy_version=s.version), inp.prompt_tokens
+
+
+def _shape(mcfg: ModelConfig):
+    """The model's shape from its config (no weights loaded) and its folder."""
+    from transformers import AutoConfig
+    from kvplan import model
+    from planner.request import ModelShape
+    path = model.prepare(mcfg)
+    c = AutoConfig.from_pretrained(path)
+    heads = c.num_attention_heads
+    return ModelShape(num_layers=c.num_hidden_layers, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                      num_query_heads=heads, head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                      fingerprint=model.fingerprint(path)), path
+
+
+def _tokenize(path: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+    from executor.prompt import build
+    return build(AutoTokenizer.from_pretrained(path), [{"role": "user", "content": text}]).context_ids
+
+
+def kept(lp: LayerPlan, prompt_tokens: int) -> int:
+    """Tokens a layer keeps per stored head (the whole prompt without eviction)."""
+    ev = lp.eviction
+    return min(prompt_tokens, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else prompt_tokens
+
+
+def table(plan: CompressionPlan, prompt_tokens: int) -> str:
+    head = (f"{plan.strategy} v{plan.strategy_version}: {prompt_tokens} prompt tokens, predicted reserve ratio "
+            f"{plan.predicted_reserve_ratio:.3f}"
+            + (f", retained attention {plan.predicted_retained_attention:.3f}"
+               if plan.predicted_retained_attention < 1.0 else ""))
+    rows = [f"{'layer':>5} {'kind':<8} {'keep_tokens':>11} {'window':>6} {'sinks':>5} {'codebook θk/θv':<14} "
+            f"{'merge':<22} {'quant':<14} kvcrush"]
+    for lp in plan.layers:
+        ev, cb, mg, q = lp.eviction, lp.codebook, lp.merge, lp.quant
+        rows.append(" ".join([
+            f"{lp.layer:>5}", f"{lp.kind:<8}", f"{ev.keep_tokens if ev else 'all':>11}",
+            f"{ev.window if ev else '-':>6}", f"{ev.sink_tokens if ev else '-':>5}",
+            f"{f'{cb.theta_k:.2f}/{cb.theta_v:.2f}' if cb else '-':<14}",
+            f"{f'with {mg.with_layer}, t {mg.t:g}, γ {mg.retention_k:g}/{mg.retention_v:g}' if mg else '-':<22}",
+            f"{f'{q.bits}b g{q.group_size} r{q.residual}' if q else '-':<14}",
+            f"{ev.kvcrush.rep_fraction:g} {ev.kvcrush.anchor}" if ev and ev.kvcrush else "-",
+        ]))
+    return "\n".join([head, *rows])
+
+
+def as_json(plan: CompressionPlan) -> str:
+    from google.protobuf.json_format import MessageToJson
+    return MessageToJson(plan.to_proto(), preserving_proto_field_name=True)
+
+
+def need_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise BadInput("--plot needs matplotlib: pip install 'kvplan[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(plan: CompressionPlan, prompt_tokens: int, out: Path) -> None:
+    plt = need_matplotlib()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(plan.layers)), 3.5))
+    kinds = [lp.kind for lp in plan.layers]
+    ax.bar([lp.layer for lp in plan.layers], [kept(lp, prompt_tokens) for lp in plan.layers],
+           color=[COLOURS.get(k, "#000000") for k in kinds])
+    for k in dict.fromkeys(kinds):
+        ax.bar([], [], color=COLOURS.get(k, "#000000"), label=k)
+    ax.set(xlabel="layer", ylabel="kept tokens per head",
+           title=f"{plan.strategy} v{plan.strategy_version}: predicted reserve {plan.predicted_reserve_ratio:.3f}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    print(f"kvplan: wrote {out}", file=sys.stderr)

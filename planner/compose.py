@@ -1,0 +1,166 @@
+"""The `compose` planner: one definition's parts laid over the layers of one job.
+
+Budget reading (the executor's contract): `Eviction.keep_tokens` is context tokens kept per
+stored head, excluding the `sink_tokens` first and the `window` last prompt tokens, which are
+always kept. A job's budget of r·l tokens (or kv_tokens N, i.e. r = N/l) is that whole
+per-head count: sinks + window + keep_tokens, on average over layers, but never less than
+the window (a budget below it keeps the window, and the predicted ratio says so). A budget
+that holds the whole prompt (r >= 1) gives the full plan; a layer that would evict nothing
+gets no Eviction.
+
+Allocations (`allocation`) split the context budget over layers: `uniform` and `pyramid`
+(planner/allocation.py) from the budget alone; `xkv` (planner/xkv.py) splits the same total as
+`uniform` to maximise the probe's retained window attention: it calls `inp.probe()`, or plans
+from `inp.layer_shares` (a profile's averaged shares) without probing.
+
+In a layer with a codebook the executor reads the same count as a BYTE budget (the dense fp16
+bytes of that many tokens on the native KV heads): the codebook saves first, eviction takes only
+what the codebook cannot. Merged pairs (MiniCache: layers s, s+1; s+2, s+3; ... from
+`start_layer`) carry only the merge, on the pair's upper layer; quant goes on every other layer
+without a codebook.
+
+`predicted_reserve_ratio` = mean over layers of held/l, counted against the native h_kv-head
+cache: kept/l for eviction (in "repeat" mode the executor stores each KV group's union of kept
+tokens plus a small per-head index; kept/l is the planner's estimate of that); codebook layers
+hold their byte budget exactly; quant layers their kept rows at (bits + 32/g)/16 of fp16 past the
+residual tail; a merged pair one layer's directions plus magnitudes and the retained rows of both.
+`predicted_retained_attention` (probed plans only) = mean over layers of the window attention the
+kept tokens receive, window and sinks included.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, full_plan
+from planner import xkv
+from planner.allocation import ALLOCATIONS, uniform_keep_counts
+from planner.definition import Definition
+from planner.request import InvalidRequest, PlanInput
+
+
+@dataclass(frozen=True)
+class Budgets:
+    keep: np.ndarray                   # [m] context tokens kept per stored head (sinks, window excluded)
+    sinks: int
+    window: int
+    retained: float | None = None      # predicted share of window attention kept; None: not probed
+
+
+@dataclass(frozen=True)
+class Composed:
+    d: Definition
+
+    @property
+    def probe_mode(self) -> str | None:
+        """The GQA mode its probe scores heads in, or None: it plans without probing."""
+        return self.d.eviction.gqa_mode if self.d.eviction and self.d.allocation == "xkv" else None
+
+    def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
+        d, l, m, r = self.d, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
+        if l == 0 or r >= 1.0 or not (d.eviction or d.codebook or d.merge or d.quant):
+            return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
+        b = self.budgets(inp) if d.eviction else None
+        pairs = merge_pairs(d.merge.start_layer, m) if d.merge else {}                     # {upper: lower}
+        layers, held = [], []                                                                # held: [m] token units
+        for i in range(m):
+            if i in pairs or i in pairs.values():
+                mg = d.merge
+                layers.append(LayerPlan(layer=i, merge=Merge(pairs[i], mg.t, mg.retention_k, mg.retention_v))
+                              if i in pairs else LayerPlan(layer=i))
+                held.append(l * merged_share(mg, inp.model.num_kv_heads * inp.model.head_dim))
+                continue
+            cb = Codebook(d.codebook.theta_k, d.codebook.theta_v) if d.codebook and d.codebook.on(i) else None
+            ev = self._eviction(int(b.keep[i]), b.sinks, b.window, l) if b else None
+            layers.append(LayerPlan(layer=i, eviction=ev, codebook=cb, quant=None if cb else d.quant))
+            held.append(_held(layers[-1], l))
+        return CompressionPlan(
+            plan_id=plan_id, strategy=inp.strategy, layers=tuple(layers), model_fingerprint=inp.model.fingerprint,
+            predicted_reserve_ratio=float(np.mean(held) / l),
+            predicted_retained_attention=1.0 if b is None or b.retained is None else b.retained,
+        )
+
+    def budgets(self, inp: PlanInput) -> Budgets:
+        e, l, m, r = self.d.eviction, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
+        budget = min(l, math.floor(r * l + 1e-9))             # kept tokens per stored head, layer average
+        sinks = min(e.sink_tokens, budget)
+        window = budget - sinks if e.window is None else e.window
+        if self.d.allocation == "xkv":
+            return _xkv(inp, sinks, window)
+        return Budgets(ALLOCATIONS[self.d.allocation](r, l, sinks + window, m), sinks, window)
+
+    def _eviction(self, keep: int, sinks: int, window: int, l: int) -> Eviction | None:
+        if sinks + window + keep >= l:   # nothing would be evicted: no scoring, no index
+            return None
+        e = self.d.eviction
+        return Eviction(keep_tokens=keep, window=window, pool_kernel=e.pool_kernel, scorer=e.scorer,
+                        gqa_mode=e.gqa_mode, sink_tokens=sinks, span_tokens=e.span_tokens, kvcrush=self.d.kvcrush)
+
+
+def merge_pairs(start: int | None, m: int) -> dict[int, int]:
+    """{upper: lower} of MiniCache's disjoint adjacent pairs (s, s+1), (s+2, s+3), ... below m;
+    s = m // 2 by default."""
+    s = m // 2 if start is None else start
+    return {i + 1: i for i in range(s, m - 1, 2)}
+
+
+def merged_share(mg, w: int) -> float:
+    """A merged pair's bytes per layer against one dense layer, w = H_kv·D elements per row: per
+    K/V one unit direction + two fp16 magnitudes per token, each retained token's rows of both
+    layers + an int32 index; half of it to each layer."""
+    gamma = (mg.retention_k + mg.retention_v) / 2
+    return (1 + 2 / w + gamma * (2 + 2 / w)) / 2
+
+
+def _held(lp: LayerPlan, l: int) -> float:
+    """Tokens' worth of dense fp16 K/V rows an unmerged layer is predicted to hold (l = full)."""
+    ev = lp.eviction
+    kept = min(l, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else l
+    if lp.quant:
+        q = lp.quant
+        return min(kept, q.residual) + max(0, kept - q.residual) * (q.bits + 32 / q.group_size) / 16
+    return kept
+
+
+def _xkv(inp: PlanInput, sinks: int, window: int) -> Budgets:
+    """XKV: the uniform allocation's total context budget, split over layers by the probe's
+    window scores (or the profile's shares). Floor 1 per layer where the total allows it."""
+    l, m, r = inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
+    l_c = max(0, l - sinks - window)
+    total = int(uniform_keep_counts(r, l, sinks + window, m).sum())
+    floor = 1 if total >= m else 0
+    if inp.layer_shares is not None:
+        return Budgets(spread(total, np.asarray(inp.layer_shares), floor, l_c), sinks, window)
+    if inp.probe is None:
+        raise InvalidRequest("token_ids", f"strategy {inp.strategy} probes the prompt: send token_ids")
+    stats = inp.probe()
+    ws = np.asarray(stats.window_scores, dtype=np.float64)                                # [m, H_e, T]
+    if ws.shape[0] != m:
+        raise ValueError(f"the probe saw {ws.shape[0]} layers, the plan is for {m}")
+    t = stats.tokens
+    ctx = ws[:, :, sinks:max(sinks, t - window)][:, :, :l_c]                             # [m, H_e, T_c]
+    alloc = xkv.allocate(list(ctx), total=total, floor=floor)
+    mass = ctx.sum(-1).mean(-1)                                                           # [m] context share of attention
+    retained = (1.0 - mass) + mass * alloc.retained                                       # [m] window + sinks always kept
+    if inp.learn is not None and alloc.keep.sum() > 0:
+        inp.learn(alloc.keep / alloc.keep.sum())
+    return Budgets(alloc.keep, sinks, window, float(retained.mean()))
+
+
+def spread(total: int, shares: np.ndarray, floor: int, cap: int) -> np.ndarray:
+    """`total` slots over layers in proportion to `shares` [m], at least `floor` and at most `cap`
+    each: the floor first, the rest in proportion to each share's part above it (largest
+    remainders, ties to the shallower layer), so the shares of an allocation of the same total
+    give that allocation back.  -> [m] int64"""
+    m = len(shares)
+    base = np.full(m, min(floor, cap), dtype=np.int64)
+    extra = max(0, total - int(base.sum()))
+    w = np.clip(np.asarray(shares, dtype=np.float64), 0.0, None)
+    w = np.clip(w / w.sum() * total - base, 0.0, None) if w.sum() > 0 else np.ones(m)
+    raw = w / w.sum() * extra if w.sum() > 0 else np.full(m, extra / m)
+    whole = np.floor(raw + 1e-9).astype(np.int64)
+    order = np.lexsort((np.arange(m), -(raw - whole)))[: max(0, extra - int(whole.sum()))]
+    whole[order] += 1
+    return np.minimum(cap, base + whole)

@@ -1,0 +1,31 @@
+"""The common retained-attention yardstick on a worked example."""
+import numpy as np
+import pytest
+
+from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant
+from planner.predict import retained_attention
+from planner.probe import ProbeStats
+
+
+def _stats(scores):
+    m = scores.shape[0]
+    return ProbeStats(tokens=scores.shape[-1], window_scores=scores, k_similar=np.zeros(m), v_similar=np.zeros(m),
+                      k_angle=np.zeros(m - 1), v_angle=np.zeros(m - 1))
+
+
+def test_worked_example():
+    # 2 layers, 2 query heads on 1 KV head, 6 tokens; rows sum to 1
+    s = np.array([[[0.1, 0.4, 0.0, 0.2, 0.1, 0.2],
+                   [0.1, 0.0, 0.5, 0.1, 0.1, 0.2]],
+                  [[0.2, 0.1, 0.1, 0.1, 0.1, 0.4]] * 2])
+    ev = Eviction(keep_tokens=1, window=1, sink_tokens=1, scorer="snapkv", gqa_mode="repeat")
+    plan = CompressionPlan("p", "t", (LayerPlan(0, eviction=ev), LayerPlan(1, quant=Quant())))
+    # layer 0, repeat: head 0 keeps sink .1 + window .2 + top .4 = .7; head 1: .1 + .2 + .5 = .8
+    assert retained_attention(plan, _stats(s), 1) == pytest.approx(((0.7 + 0.8) / 2 + 1.0) / 2)
+    mean = Eviction(keep_tokens=1, window=1, sink_tokens=1, scorer="snapkv", gqa_mode="mean")
+    plan = CompressionPlan("p", "t", (LayerPlan(0, eviction=mean), LayerPlan(1, eviction=mean)))
+    # mean mode, layer 0: head mean [.1, .2, .25, .15, .1, .2]: .1 + .2 + .25; layer 1: .2 + .4 + .1
+    assert retained_attention(plan, _stats(s), 1) == pytest.approx((0.55 + 0.7) / 2)
+    sl = Eviction(keep_tokens=3, window=1, sink_tokens=1, scorer="streaming_llm", gqa_mode="mean")
+    plan = CompressionPlan("p", "t", (LayerPlan(0, eviction=sl), LayerPlan(1)))
+    assert retained_attention(plan, _stats(s), 1) == pytest.approx((0.3 + 1.0) / 2)
