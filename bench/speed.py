@@ -27,6 +27,7 @@ from bench import cases as C
 from bench.harness import Harness, check_strategies, measured_ratio
 from executor.layers import LAYER_KINDS
 from executor.prompt import Prompt
+from kvplan.config import PlannerConfig, from_env
 from planner.strategies import STRATEGIES
 
 RESULTS = Path(__file__).parent / "results"
@@ -120,6 +121,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sample: float) -> dict:
+    """The planner's cost next to the job it plans, same prompt, same run: a per-request probe
+    (mini-prefill, `planner.probe`) against full KV's prefill, and in profile mode the added
+    latency per job against the job's latency (full KV prefill + decode). In profile mode every
+    job is planned from the profile's learned shares; the sampled ones are also probed, beside
+    the job (planner/service.py), so only a profile's first job waits for a probe."""
+    from planner.probe import Prober
+    from planner.request import PlanInput
+    prober = Prober(lm=h.lm)
+    probe_s = statistics.median(prober.probe(ids, "mean").seconds for _ in range(repeats))
+    learned = []
+    inp = PlanInput("bench", "xkv", len(ids), h.shape, reserve_ratio=0.5,
+                    probe=lambda **kw: prober.probe(ids, "mean", **kw), learn=learned.append)
+    STRATEGIES["xkv"].plan(inp, "probed")
+    shares = PlanInput("bench", "xkv", len(ids), h.shape, reserve_ratio=0.5, layer_shares=tuple(learned[0].tolist()))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        STRATEGIES["xkv"].plan(shares, "from-shares")
+    plan_s = (time.perf_counter() - t0) / 20
+    return overhead_row(len(ids), probe_s, full["prefill_s"], full["prefill_s"] + full["decode_s"], plan_s, sample)
+
+
+def overhead_row(tokens: int, probe_s: float, prefill_s: float, job_s: float, plan_s: float, sample: float) -> dict:
+    return dict(context_tokens=tokens, probe_s=probe_s, prefill_s=prefill_s, probe_over_prefill=probe_s / prefill_s,
+                profile_sample=sample, plan_from_shares_s=plan_s, job_s=job_s,
+                profile_added_over_job=plan_s / job_s, profile_first_job_added_over_job=probe_s / job_s)
+
+
+def overhead_table(rows: list[dict]) -> str:
+    lines = ["| context | probe s | full prefill s | probe / prefill | profile: plan from shares ms | "
+             "job s | profile: added / job | profile's first job |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['context_tokens']} | {r['probe_s']:.2f} | {r['prefill_s']:.2f} | {r['probe_over_prefill']:.2f} | "
+                     f"{1e3 * r['plan_from_shares_s']:.2f} | {r['job_s']:.2f} | {100 * r['profile_added_over_job']:.3f}% | "
+                     f"{100 * r['profile_first_job_added_over_job']:.0f}% |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1k context, 16 decode tokens")
@@ -144,7 +183,8 @@ def main(argv=None) -> None:
     ids = h.tokenizer(text, add_special_tokens=False)["input_ids"]
     h.warmup(strategies)
 
-    rows = []
+    rows, overhead = [], []
+    sample = from_env(PlannerConfig).profile_sample
     for n in args.lengths:
         prompt = Prompt(ids[:n], [])
         reps = {s: [] for s in strategies}
@@ -155,15 +195,18 @@ def main(argv=None) -> None:
                       file=sys.stderr, flush=True)
         full = summarize(n, "full", reps["full"], None)
         rows += [full] + [summarize(n, s, reps[s], full) for s in strategies[1:]]
+        overhead.append(planner_overhead(h, ids[:n], full, args.repeats, sample))
 
     out = dict(bench="speed", quick=args.quick, machine=platform.machine(), torch=torch.__version__,
                threads=torch.get_num_threads(), text=source, requested_ratio=args.ratio,
-               new_tokens=args.new_tokens, rows=rows)
+               new_tokens=args.new_tokens, rows=rows, planner_overhead=overhead)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "speed.json").write_text(json.dumps(out, indent=1))
     print(f"reserve ratio requested {args.ratio:g}, {args.new_tokens} decode tokens, "
           f"{torch.get_num_threads()} threads, {source}\n")
     print(table(rows))
+    print("\nPlanner overhead (targets: probe / prefill <= 1.0; profile mode added / job <= 5%)\n")
+    print(overhead_table(overhead))
     print(f"\n{out_dir / 'speed.json'}")
 
 

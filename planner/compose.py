@@ -56,14 +56,16 @@ class Composed:
     @property
     def probe_mode(self) -> str | None:
         """The GQA mode its probe scores heads in, or None: it plans without probing."""
-        return self.d.eviction.gqa_mode if self.d.eviction and self.d.allocation == "xkv" else None
+        if self.d.eviction and self.d.allocation == "xkv":
+            return self.d.eviction.gqa_mode
+        return "repeat" if self.d.merge and self.d.merge.min_cos is not None else None
 
     def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
         d, l, m, r = self.d, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
         if l == 0 or r >= 1.0 or not (d.eviction or d.codebook or d.merge or d.quant):
             return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
         b = self.budgets(inp) if d.eviction else None
-        pairs = merge_pairs(d.merge.start_layer, m) if d.merge else {}                     # {upper: lower}
+        pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}
         layers, held = [], []                                                                # held: [m] token units
         for i in range(m):
             if i in pairs or i in pairs.values():
@@ -104,6 +106,18 @@ def merge_pairs(start: int | None, m: int) -> dict[int, int]:
     s = m // 2 by default."""
     s = m // 2 if start is None else start
     return {i + 1: i for i in range(s, m - 1, 2)}
+
+
+def _gated(pairs: dict[int, int], mg, inp: PlanInput) -> dict[int, int]:
+    """The pairs whose layers the probe finds alike enough to merge (`min_cos`; None: all)."""
+    if mg.min_cos is None or not pairs:
+        return pairs
+    if inp.probe is None:
+        raise InvalidRequest("token_ids", f"strategy {inp.strategy} probes the prompt to choose merged pairs: "
+                                          "send token_ids")
+    stats = inp.probe()
+    cap = math.acos(mg.min_cos) / math.pi                    # the probe's angles are arccos(cos)/π
+    return {u: lo for u, lo in pairs.items() if max(stats.k_angle[lo], stats.v_angle[lo]) <= cap}
 
 
 def merged_share(mg, w: int) -> float:

@@ -9,7 +9,8 @@ validated against `strategy.schema.json`. Every field but `name` is optional:
     eviction: {scorer: snapkv, window: 32, sink_tokens: 0, pool_kernel: 7, span_tokens: 16, gqa_mode: repeat}
     kvcrush: {rep_fraction: 0.25, anchor: random, bucket_rule: uniform}     # on evicted layers
     codebook: {theta_k: 0.98, theta_v: 0.95, layers: all}                   # SpindleKV; or [0, 1, ...]
-    merge: {start_layer: 15, t: 0.6, retention_k: 0.05, retention_v: 0.05}  # MiniCache; default m // 2
+    merge: {start_layer: 15, t: 0.6, retention_k: 0.05, retention_v: 0.05,  # MiniCache; default m // 2
+            min_cos: 0.5}                                   # probe gate per pair; null: merge them all
     quant: {bits: 4, group_size: 32, residual: 32}                          # KIVI
     offload: reserved (SpeCache, with the cachestore issue)
 
@@ -64,6 +65,11 @@ class MergePart:
     t: float = 0.6
     retention_k: float = 0.05
     retention_v: float = 0.05
+    # a pair merges only where the probe's mean cosine of both its K and its V rows is at least
+    # this (None: every pair from start_layer, as published). MiniCache's premise is that deep
+    # adjacent layers agree (paper Fig. 1a: ≈0.8–0.9 deep, ≈0.2–0.3 shallow; Fig. 2b: most
+    # tokens ≈0.6 in the pairs it merges); 0.5 lies between what it merges and what it leaves.
+    min_cos: float | None = 0.5
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self.profiles = profiles.open_profiles(cfg.redis_url)
         self._prober = prober                      # planner.probe.Prober, made on the first probe
         self._built: dict[str, Strategy] = {}      # definition JSON -> its strategy
+        self._tasks: set[asyncio.Task] = set()     # background probes of sampled profile jobs
 
     async def Plan(self, req: planner_pb2.PlanRequest, context) -> common_pb2.CompressionPlan:
         try:
@@ -125,12 +126,30 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             return inp, None
         m = inp.model
         k = profiles.key(inp.profile, strategy.name, strategy.version, m.fingerprint, m.num_layers)
-        if not profiles.sampled(await self.profiles.next_job(k), self.cfg.profile_sample):
-            shares = await self.profiles.shares(k)
-            if shares is not None:
-                return dataclasses.replace(inp, layer_shares=tuple(shares.tolist()), probe=None), None
-        learned: list = []
+        sampled = profiles.sampled(await self.profiles.next_job(k), self.cfg.profile_sample)
+        shares = await self.profiles.shares(k)
+        if shares is not None:
+            if sampled and inp.probe is not None:     # keep the shares fresh, off this job's critical path
+                self._background(self._learn(strategy, inp, k))
+            return dataclasses.replace(inp, layer_shares=tuple(shares.tolist()), probe=None), None
+        learned: list = []                            # the profile's first job: probe inline, learn
         return dataclasses.replace(inp, learn=learned.append), (k, learned)
+
+    async def _learn(self, strategy: Strategy, inp: request.PlanInput, k: str) -> None:
+        """A sampled job of a profile that already has shares: its probe runs beside the job
+        (the job was planned from the shares) and adds what it finds to the profile."""
+        learned: list = []
+        try:
+            await asyncio.to_thread(strategy.plan, dataclasses.replace(inp, learn=learned.append), "learn")
+            if learned:
+                await self.profiles.add(k, learned[0])
+        except Exception:                             # a failed background probe costs only freshness
+            log.exception("background probe for profile %s failed", inp.profile)
+
+    def _background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @property
     def prober(self):
@@ -140,6 +159,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         return self._prober
 
     async def close(self) -> None:
+        for task in list(self._tasks):              # let running background probes finish their write
+            await asyncio.wait_for(asyncio.shield(task), timeout=30) if not task.done() else None
         await self.active.close()
         await self.profiles.close()
 
@@ -162,7 +183,12 @@ def build_service(cfg: PlannerConfig, prober=None) -> Service:
     servicer = PlannerServicer(cfg, prober)
 
     async def warmup():
-        await servicer.active.get()   # reach Redis before reporting SERVING
+        active = await servicer.active.get()   # reach Redis before reporting SERVING
+        strategy = STRATEGIES.get(active)
+        if strategy is not None and strategy.probe_mode is not None:
+            # the default strategy probes: load the model now, not inside the first job's deadline
+            await asyncio.to_thread(servicer.prober.model)
+            log.info("probe model loaded (default strategy %s probes)", active)
 
     return Service(
         name="planner", full_names=["kvplan.v1.Planner"],

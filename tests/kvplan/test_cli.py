@@ -132,8 +132,10 @@ def test_plan_json_is_the_protos_json_form(real_shape, capsys):
     assert got["layers"][3]["eviction"]["pool_kernel"] == 7
 
 
-def test_plan_minicache_shows_the_merged_pairs(real_shape, capsys):
-    assert cli.main(["plan", "--strategy", "minicache", "--ratio", "0.5"]) == 0
+def test_plan_minicache_shows_the_merged_pairs(real_shape, tmp_path, capsys):
+    f = tmp_path / "m.yaml"                      # ungated: the shipped preset probes to choose its pairs
+    f.write_text("name: m\nmerge: {min_cos: null}\n")
+    assert cli.main(["plan", "--strategy", str(f), "--ratio", "0.5"]) == 0
     rows = capsys.readouterr().out.splitlines()[2:]
     assert [r.split()[1] for r in rows] == ["full"] * 16 + ["merge", "full"] * 7
     assert "with 15, t 0.6" in rows[16]
@@ -169,7 +171,7 @@ def test_plan_probes_a_prompt_file_in_process(monkeypatch, tiny_model_dir, tmp_p
     assert cli.main(["plan", "--strategy", "xkv", "--ratio", "0.3", "--prompt-file", str(f), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert len(got["layers"]) == 2 and 0.0 < got["predicted_retained_attention"] < 1.0
-    assert all(lp["eviction"]["gqa_mode"] == "repeat" for lp in got["layers"])
+    assert all(lp["eviction"]["gqa_mode"] == "mean" for lp in got["layers"])
 
 
 def test_plan_plot_draws_a_png(real_shape, tmp_path, capsys):

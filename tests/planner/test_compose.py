@@ -97,8 +97,24 @@ def test_merged_share_counts_directions_magnitudes_and_retained_rows():
         (1 + 2 / 192 + 0.05 * (2 + 2 / 192)) / 2)
 
 
+def test_merged_pairs_are_gated_by_the_probes_layer_similarity():
+    """Pairs (26, 27) and (28, 29): the probe finds layers 26/27 alike (cos 0.9 ≥ 0.5) and 28/29
+    not (their values at cos 0.3): only the first pair merges; without token ids it cannot tell."""
+    s = stats(t=4096)
+    k_angle = np.full(29, np.arccos(0.9) / np.pi)
+    v_angle = k_angle.copy()
+    v_angle[28] = np.arccos(0.3) / np.pi
+    s = type(s)(**{**s.__dict__, "k_angle": k_angle, "v_angle": v_angle})
+    c = composed("{name: x, merge: {start_layer: 26}}")
+    assert c.probe_mode == "repeat"
+    p = c.plan(inp(ratio=0.5, probe=lambda: s), "p")
+    assert [lp.kind for lp in p.layers[26:]] == ["full", "merge", "full", "full"]
+    with pytest.raises(InvalidRequest, match="token_ids"):
+        c.plan(inp(ratio=0.5), "p")
+
+
 def test_merge_with_eviction_leaves_merged_pairs_alone():
-    d = "{name: x, eviction: {scorer: snapkv}, merge: {start_layer: 26, t: 0.5}}"
+    d = "{name: x, eviction: {scorer: snapkv}, merge: {start_layer: 26, t: 0.5, min_cos: null}}"
     p = composed(d).plan(inp(ratio=0.3), "p")
     assert [lp.kind for lp in p.layers] == ["evicted"] * 26 + ["full", "merge", "full", "merge"]
     assert (p.layers[27].merge.with_layer, p.layers[29].merge.with_layer, p.layers[29].merge.t) == (26, 28, 0.5)

@@ -37,7 +37,7 @@ def test_registry_holds_the_shipped_presets():
     assert [d.name for d in PRESETS] == list(STRATEGIES)
     for name, s in STRATEGIES.items():
         assert s.name == name and s.version and s.description and "\n" not in s.description
-        assert s.definition.name == name and (s.probe_mode is not None) == (name in PROBING + ["auto"])
+        assert s.definition.name == name and (s.probe_mode is not None) == (name in PROBING + ["auto", "minicache"])
     assert STRATEGIES["spindlekv"].version == "2"
 
 
@@ -171,7 +171,8 @@ def test_probing_presets_split_the_uniform_total_by_the_probe(name):
     p, snap = plan(name, ratio=0.2), plan("snapkv", ratio=0.2)
     keep = [lp.eviction.keep_tokens for lp in p.layers]
     assert sum(keep) == sum(lp.eviction.keep_tokens for lp in snap.layers) and len(set(keep)) > 1
-    assert all(lp.eviction.gqa_mode == "repeat" and lp.eviction.scorer == "snapkv" for lp in p.layers)
+    mode = "repeat" if name == "spindlekv+xkv" else "mean"        # xkv scores KV groups (presets.yaml says why)
+    assert all(lp.eviction.gqa_mode == mode and lp.eviction.scorer == "snapkv" for lp in p.layers)
     assert 0.0 < p.predicted_retained_attention < 1.0 and snap.predicted_retained_attention == 1.0
     assert (p.layers[0].eviction.kvcrush is not None) == (name == "xkv+kvcrush")
     assert (p.layers[0].codebook is not None) == (name == "spindlekv+xkv")
