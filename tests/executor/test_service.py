@@ -117,6 +117,28 @@ def test_set_strategy_changes_the_next_job_without_restart(cluster, client):
             planner.set_strategy("full")
 
 
+def test_a_definition_set_through_the_planner_plans_the_next_job(cluster, client):
+    """SetStrategy with a new definition: the next job (naming no strategy) runs it, its cache
+    really holds the evicted budget; a bad definition is refused naming the field and the
+    defined strategy stays active."""
+    from kvplan.cli import DEMO_CONTEXT, DEMO_QUESTION
+    mine = "name: snap-mine\neviction: {scorer: snapkv, pool_kernel: 5, span_tokens: 8}\n"
+    job = request(" ".join([DEMO_CONTEXT] * 3), question=DEMO_QUESTION, max_new_tokens=4, reserve_ratio=0.4)
+    with PlannerClient(cluster.planner_addr) as planner:
+        try:
+            info = planner.define_strategy(mine)
+            assert (info.name, info.active) == ("snap-mine", True)
+            r = client.run(job).result
+            assert r.strategy == "snap-mine" and not r.degraded and r.reserve_ratio < 0.6
+            with pytest.raises(grpc.RpcError) as e:
+                planner.define_strategy("name: broken\neviction: {scorer: foo}\n")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("definition.eviction.scorer")
+            assert client.run(job).result.strategy == "snap-mine"
+        finally:
+            planner.set_strategy("full")
+
+
 def test_executor_falls_back_to_a_local_plan_when_the_planner_is_down(model_cfg, monkeypatch):
     from tests.conftest import free_port
     monkeypatch.setenv("KVPLAN_PLAN_DEADLINE_S", "1")
