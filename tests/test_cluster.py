@@ -38,28 +38,32 @@ def _wait_serving(addr: str, proc: subprocess.Popen, log: Path, timeout_s: float
 
 @pytest.fixture
 def services(redis_db, tmp_path, real_model_dir):
-    ports = {name: free_port() for name in ("planner", "cachestore", "exec-a", "exec-b")}
-    env = dict(os.environ, KVPLAN_REDIS_URL=redis_db,
-               KVPLAN_PLANNER_PORT=str(ports["planner"]), KVPLAN_PLANNER_METRICS_PORT=str(free_port()),
-               KVPLAN_CACHESTORE_PORT=str(ports["cachestore"]), KVPLAN_CACHESTORE_METRICS_PORT=str(free_port()),
-               KVPLAN_PLANNER_ADDR=f"127.0.0.1:{ports['planner']}",
-               KVPLAN_CACHESTORE_ADDR=f"127.0.0.1:{ports['cachestore']}",
-               KVPLAN_CLAIM_IDLE_MS="3000", KVPLAN_HEARTBEAT_MS="500")
+    env = dict(os.environ, KVPLAN_REDIS_URL=redis_db, KVPLAN_CLAIM_IDLE_MS="3000", KVPLAN_HEARTBEAT_MS="500")
     procs = []
 
     def start(module: str, name: str, **extra) -> tuple[subprocess.Popen, str]:
-        log = tmp_path / f"{name}.log"
-        p = _start(module, {**env, **extra}, log)
-        procs.append(p)
-        addr = f"127.0.0.1:{ports[name]}"
-        _wait_serving(addr, p, log)
-        return p, addr
+        """Start one service on fresh free ports; a port another process took between our probe
+        and its bind (ephemeral-port reuse) gets a new one, up to three tries."""
+        var = module.upper()
+        for attempt in range(3):
+            port = free_port()
+            log = tmp_path / f"{name}-{attempt}.log"
+            p = _start(module, {**env, f"KVPLAN_{var}_PORT": str(port), f"KVPLAN_{var}_METRICS_PORT": str(free_port()),
+                                **extra}, log)
+            addr = f"127.0.0.1:{port}"
+            try:
+                _wait_serving(addr, p, log)
+            except AssertionError:
+                if p.poll() is not None and "Address already in use" in log.read_text() and attempt < 2:
+                    continue
+                p.kill()
+                raise
+            procs.append(p)
+            return p, addr
 
-    start("planner", "planner")
-    start("cachestore", "cachestore")
-    yield lambda name, **extra: start("executor", name, KVPLAN_EXECUTOR_ID=name,
-                                      KVPLAN_EXECUTOR_PORT=str(ports[name]),
-                                      KVPLAN_EXECUTOR_METRICS_PORT=str(free_port()), **extra)
+    _, env["KVPLAN_PLANNER_ADDR"] = start("planner", "planner")
+    _, env["KVPLAN_CACHESTORE_ADDR"] = start("cachestore", "cachestore")
+    yield lambda name, **extra: start("executor", name, KVPLAN_EXECUTOR_ID=name, **extra)
     for p in procs:
         if p.poll() is None:
             p.terminate()
