@@ -82,9 +82,9 @@ class Harness:
             got = self._probed = (list(ids), gqa_mode, self.prober.probe(ids, gqa_mode, losses=True))
         return got[2]
 
-    def predicted_retained(self, strategy: str, ids: list[int], ratio: float) -> float:
-        """The planner's yardstick for this strategy's plan of this prompt (`planner.predict`)."""
-        return retained_attention(self.plan(strategy, ids, ratio), self.probe(ids), self.lm.num_kv_heads)
+    def predicted_retained(self, plan: CompressionPlan, ids: list[int]) -> float:
+        """The planner's yardstick for a plan of this prompt (`planner.predict`)."""
+        return retained_attention(plan, self.probe(ids), self.lm.num_kv_heads)
 
     def plan(self, strategy: str, ids: list[int] | int, ratio: float) -> CompressionPlan:
         """ids: the context's token ids (probing strategies need them) or just its length."""
@@ -94,10 +94,11 @@ class Harness:
         return STRATEGIES[strategy].plan(inp, f"bench-{strategy}-{ratio:g}")
 
     def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int,
-            prefix: Prefix | None = None) -> RunResult:
+            prefix: Prefix | None = None, plan: CompressionPlan | None = None) -> RunResult:
         """`prefix`: the prompt's leading chunks prefilled once (`Runner.prefix_of`); a run whose
-        plan chunks the prompt alike starts there, the others prefill everything."""
-        plan = self.plan(strategy, list(prompt.context_ids), ratio)
+        plan chunks the prompt alike starts there, the others prefill everything. `plan`: the
+        strategy's plan of this prompt when the caller already made it."""
+        plan = plan or self.plan(strategy, list(prompt.context_ids), ratio)
         return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix)
 
     # -- fidelity ----------------------------------------------------------------------------------

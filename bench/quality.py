@@ -78,8 +78,9 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
         prompt = h.prompt(case.context, case.question, mode)
         prefix = h.runner.prefix_of(prompt)        # the leading chunks, once for every run of this prompt
         for strategy, ratio in jobs:
-            res = h.run(prompt, strategy, ratio, new_tokens, prefix)
-            predicted = h.predicted_retained(strategy, list(prompt.context_ids), ratio)
+            plan = h.plan(strategy, list(prompt.context_ids), ratio)     # once: run and yardstick
+            res = h.run(prompt, strategy, ratio, new_tokens, prefix, plan)
+            predicted = h.predicted_retained(plan, list(prompt.context_ids))
             runs[case.family, mode, strategy, ratio].append(dict(predicted_retained=predicted,
                 id=case.id, length=case.length, depth=case.depth, key=case.key, answer=case.answer,
                 reply=res.text, correct=C.is_correct(case.answer, res.text),

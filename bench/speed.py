@@ -130,10 +130,11 @@ def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sampl
     from planner.probe import Prober
     from planner.request import PlanInput
     prober = Prober(lm=h.lm)
-    probe_s = statistics.median(prober.probe(ids, "mean").seconds for _ in range(repeats))
+    probes = [prober.probe(ids, "mean") for _ in range(repeats)]
+    probe_s = statistics.median(p.seconds for p in probes)
     learned = []
     inp = PlanInput("bench", "xkv", len(ids), h.shape, reserve_ratio=0.5,
-                    probe=lambda **kw: prober.probe(ids, "mean", **kw), learn=learned.append)
+                    probe=lambda **kw: probes[-1], learn=learned.append)       # the shares a profile would learn
     STRATEGIES["xkv"].plan(inp, "probed")
     shares = PlanInput("bench", "xkv", len(ids), h.shape, reserve_ratio=0.5, layer_shares=tuple(learned[0].tolist()))
     t0 = time.perf_counter()

@@ -24,6 +24,11 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """x [N, D] with unit column stride (a copy only when it has not), as the launchers require."""
+    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()
+
+
 def _check_index_range(idx: torch.Tensor, n: int, what: str) -> None:
     if idx.numel():
         if not idx.dtype.is_signed and n > torch.iinfo(idx.dtype).max:
@@ -93,7 +98,7 @@ def reconstruct(
     if use_triton(C, ref, mag):
         pos_, freq_ = (None, None) if pos is None else (pos.contiguous(), inv_freq.float().contiguous())
         return rope_reconstruct.reconstruct_triton(
-            C if C.shape[1] <= 1 or C.stride(1) == 1 else C.contiguous(), ref.contiguous(), mag.contiguous(),
+            _unit(C), ref.contiguous(), mag.contiguous(),
             pos_, freq_, attention_scaling, out_dtype)
     return rope_reconstruct.reconstruct_reference(C, ref, mag, pos, inv_freq, attention_scaling, out_dtype)
 
@@ -116,8 +121,7 @@ def ragged_decode_attention(
     if bool((offsets[0] != 0) | (offsets[-1] != k.shape[0]) | (offsets[1:] < offsets[:-1]).any()):   # one sync
         raise ValueError(f"offsets must rise from 0 to T = {k.shape[0]}, got {offsets.tolist()}")
     if use_triton(q, k, v):
-        unit = lambda t: t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()  # noqa: E731
-        return ragged_attention.ragged_decode_attention_triton(unit(q), unit(k), unit(v), offsets.contiguous(), scaling)
+        return ragged_attention.ragged_decode_attention_triton(_unit(q), _unit(k), _unit(v), offsets.contiguous(), scaling)
     return ragged_attention.ragged_decode_attention_reference(q, k, v, offsets, scaling)
 
 
@@ -182,7 +186,7 @@ def quantize_pack(
     if x.shape[1] % group_size:
         raise ValueError(f"x's last dim L = {x.shape[1]} must be a multiple of group_size {group_size}")
     if use_triton(x):
-        return quant.quantize_pack_triton(x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous(), bits, group_size)
+        return quant.quantize_pack_triton(_unit(x), bits, group_size)
     return quant.quantize_pack_reference(x, bits, group_size)
 
 
@@ -208,8 +212,7 @@ def unpack_dequantize(
     if out_dtype not in quant.X_DTYPES:
         raise ValueError(f"out_dtype must be fp16/bf16/fp32, got {out_dtype}")
     if use_triton(codes, scale, zero):
-        unit = lambda t: t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()  # noqa: E731
-        return quant.unpack_dequantize_triton(unit(codes), unit(scale), unit(zero), bits, group_size, out_dtype)
+        return quant.unpack_dequantize_triton(_unit(codes), _unit(scale), _unit(zero), bits, group_size, out_dtype)
     return quant.unpack_dequantize_reference(codes, scale, zero, bits, group_size, out_dtype)
 
 

@@ -160,7 +160,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     async def close(self) -> None:
         for task in list(self._tasks):              # let running background probes finish their write
-            await asyncio.wait_for(asyncio.shield(task), timeout=30) if not task.done() else None
+            if not task.done():
+                await asyncio.wait_for(asyncio.shield(task), timeout=30)
         await self.active.close()
         await self.profiles.close()
 

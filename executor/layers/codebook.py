@@ -22,10 +22,10 @@ fewer bytes."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from executor.attention import causal_attention
 from executor.layers.evicted import EvictedLayer, Kept
-from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes, index_bytes
+from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, _sdpa, dense_bytes, index_bytes
 from kernels import build_codebook, mergeable_share, reconstruct
 from kernels.rope_reconstruct import unrotate_rope
 
@@ -75,7 +75,7 @@ class CodebookLayer(EvictedLayer):
         n_rows = len(fixed) + ks
         head_index = heads * n_rows * index_bytes(torch.tensor(max(len(c["uniq"]) for c in cands))) if hn > 1 else 0
         q_win = q[:, -max(1, min(ev.window, q.shape[1])):].float()                        # [H, W, D]
-        exact = self._window_output(q_win, k, v, scaling)                                 # [H, W, D]
+        exact = causal_attention(q_win[None], k[None].float(), v[None].float(), scaling)[0].transpose(0, 1)  # [H, W, D]
 
         best = None
         for parts in MODES:
@@ -92,14 +92,6 @@ class CodebookLayer(EvictedLayer):
         rows = torch.cat([fixed.expand(heads, -1), top[:, :k_star]], dim=1).sort(dim=1).values
         groups = [self._group(c, k_star, parts) for c in cands]
         self.compress(Kept(rows, self.repeat), k, v, groups)
-
-    def _window_output(self, q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The observation window's exact attention output over the whole context: q_win
-        [H, W, D] (the last W positions), k, v [H_kv, T, D] -> [H, W, D] fp32."""
-        w, t = q_win.shape[1], k.shape[1]
-        causal = torch.arange(t)[None, :] <= torch.arange(t - w, t)[:, None]              # [W, T]
-        return F.scaled_dot_product_attention(q_win[None], k[None].float(), v[None].float(), attn_mask=causal,
-                                              scale=scaling, enable_gqa=True)[0]
 
     def _predicted_error(self, q_win: torch.Tensor, exact: torch.Tensor, cands: list[dict], k_star: int,
                          parts: tuple[str, ...], scaling: float, t: int) -> float:
@@ -118,8 +110,7 @@ class CodebookLayer(EvictedLayer):
             kept = kept.repeat_interleave(hq // kept.shape[0], dim=0)                      # [hq, U]
             causal = c["uniq"][None, :] <= torch.arange(t - w, t)[:, None]                 # [W, U]
             mask = kept[:, None, :] & causal[None]                                         # [hq, W, U]
-            out = F.scaled_dot_product_attention(q_win[None, g * hq:(g + 1) * hq], kk[None, None], vv[None, None],
-                                                 attn_mask=mask[None], scale=scaling, enable_gqa=True)[0]
+            out = _sdpa(q_win[g * hq:(g + 1) * hq], kk, vv, mask, scaling)                  # [hq, W, D]
             err += float((out - exact[g * hq:(g + 1) * hq]).pow(2).sum())
         return err / max(float(exact.pow(2).sum()), 1e-12)
 
