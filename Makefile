@@ -29,6 +29,7 @@ bench: setup
 	$(BIN)/python -m bench.cluster
 	$(BIN)/python -m bench.quality
 	$(BIN)/python -m bench.speed
+	$(BIN)/python -m bench.transfer
 
 protos:
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto

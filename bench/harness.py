@@ -14,6 +14,7 @@ import torch
 from executor import prompt as P
 from executor.cache import PlannedCache
 from executor.prompt import Prompt
+from cachestore.handle import LocalHandle
 from executor.runner import Prefix, Runner, RunResult, Sampling
 from kvplan import model as models
 from kvplan.config import ModelConfig, from_env
@@ -94,12 +95,15 @@ class Harness:
         return STRATEGIES[strategy].plan(inp, f"bench-{strategy}-{ratio:g}")
 
     def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int,
-            prefix: Prefix | None = None, plan: CompressionPlan | None = None) -> RunResult:
+            prefix: Prefix | None = None, plan: CompressionPlan | None = None, store=None,
+            measure_recall: bool = False) -> RunResult:
         """`prefix`: the prompt's leading chunks prefilled once (`Runner.prefix_of`); a run whose
         plan chunks the prompt alike starts there, the others prefill everything. `plan`: the
-        strategy's plan of this prompt when the caller already made it."""
+        strategy's plan of this prompt when the caller already made it. Offload plans: `store`
+        the job's cachestore handle (None: in process), fitted to `ratio` as a job's budget."""
         plan = plan or self.plan(strategy, list(prompt.context_ids), ratio)
-        return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix)
+        return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix,
+                               store=store, budget=ratio, measure_recall=measure_recall)
 
     # -- fidelity ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -108,17 +112,24 @@ class Harness:
         one decode step at a time through the planned cache; an int n instead decodes n greedy
         tokens (the reference). Row i predicts continuation token i."""
         runner = self.runner
-        cache = runner.new_cache(plan)
+        store = LocalHandle() if plan.offload.enabled else None       # offload: speculative decode steps
+        cache = runner.new_cache(plan, store)
         logits = runner._prefill(prompt, cache, lambda *a: None, lambda: False)     # [V]
         n = forced if isinstance(forced, int) else len(forced)
-        rows, pos = [], prompt.num_tokens
+        rows, pos, guess = [], prompt.num_tokens, None
         for i in range(n):
             rows.append(logits.float())
             if i == n - 1:
                 break
             tok = int(logits.argmax()) if isinstance(forced, int) else forced[i]
-            logits = runner._forward([tok], pos, cache)
+            if store is None:
+                logits = runner._forward([tok], pos, cache)
+            else:
+                guess = runner._predecode(tok, pos, cache) if guess is None else guess
+                logits, guess = runner._speculative_step(tok, guess, pos, cache, i + 1)
             pos += 1
+        if store is not None:
+            store.release()
         return torch.stack(rows), cache
 
 

@@ -32,6 +32,7 @@ from planner.strategies import STRATEGIES
 
 RESULTS = Path(__file__).parent / "results"
 RATIOS = [0.5, 0.3, 0.2, 0.1]
+LONG = 1900              # "contexts of 2k tokens and more": the 2k and 3.5k cases (their contexts are ~1950+)
 FAMILIES = ["niah", "multikey"]
 QUICK = dict(lengths=[1000], depths=[0, 50], strategies=["full", "snapkv", "spindlekv"], ratios=[0.5], fidelity_tokens=16)
 
@@ -41,6 +42,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1k tokens, 2 depths, full+snapkv+spindlekv at 0.5")
     ap.add_argument("--strategies", nargs="+", help=f"default: every registered one ({' '.join(STRATEGIES)})")
     ap.add_argument("--ratios", type=float, nargs="+", help=f"requested reserve ratios (default {RATIOS})")
+    ap.add_argument("--runs", nargs="+", metavar="STRATEGY:RATIO",
+                    help="exact (strategy, ratio) runs instead of strategies × ratios, e.g. specache:0.2 specache-1bit:0.13")
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=FAMILIES)
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--lengths", type=int, nargs="+", help=f"context tokens (default {list(C.LENGTHS)})")
@@ -56,6 +59,12 @@ def parse(argv) -> argparse.Namespace:
     for name, value in quick.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.runs:
+        try:
+            args.runs = [(s, float(r)) for s, r in (x.rsplit(":", 1) for x in args.runs)]
+        except ValueError:
+            ap.error(f"--runs: expected STRATEGY:RATIO items, got {' '.join(args.runs)}")
+        args.strategies = list(dict.fromkeys(s for s, _ in args.runs))
     check_strategies(args.strategies)
     args.out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
     return args
@@ -79,9 +88,10 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
         prefix = h.runner.prefix_of(prompt)        # the leading chunks, once for every run of this prompt
         for strategy, ratio in jobs:
             plan = h.plan(strategy, list(prompt.context_ids), ratio)     # once: run and yardstick
-            res = h.run(prompt, strategy, ratio, new_tokens, prefix, plan)
-            predicted = h.predicted_retained(plan, list(prompt.context_ids))
-            runs[case.family, mode, strategy, ratio].append(dict(predicted_retained=predicted,
+            res = h.run(prompt, strategy, ratio, new_tokens, prefix, plan, measure_recall=plan.offload.enabled)
+            evicts = any(lp.kind != "full" for lp in plan.layers)     # else the plan keeps every token's K/V
+            predicted = h.predicted_retained(plan, list(prompt.context_ids)) if evicts else plan.predicted_retained_attention
+            runs[case.family, mode, strategy, ratio].append(dict(predicted_retained=predicted, offload=res.offload,
                 id=case.id, length=case.length, depth=case.depth, key=case.key, answer=case.answer,
                 reply=res.text, correct=C.is_correct(case.answer, res.text),
                 digits=C.digits_matched(case.answer, res.text), measured_ratio=measured_ratio(res),
@@ -100,8 +110,24 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
                          measured_ratio=sum(c["measured_ratio"] for c in got) / len(got),
                          correct=sum(c["correct"] for c in got), total=len(got),
                          mean_digits=sum(c["digits"] for c in got) / len(got),
-                         predicted_retained=sum(c["predicted_retained"] for c in got) / len(got), cases=got))
+                         predicted_retained=sum(c["predicted_retained"] for c in got) / len(got),
+                         **offload_summary(got), cases=got))
     return rows
+
+
+def offload_summary(cases: list[dict]) -> dict:
+    """Offload runs: the measured ratio at contexts of 2k tokens and more, the largest one there,
+    and the prefetch recall against the oracle top-k (share of its rows; of its attention mass)."""
+    off = [c for c in cases if c["offload"]]
+    if not off:
+        return {}
+    long = [c["measured_ratio"] for c in off if c["context_tokens"] >= LONG]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    return dict(measured_ratio_2k=mean(long), max_ratio_2k=max(long, default=None),
+                recall=mean([c["offload"]["recall"] for c in off if c["offload"]["recall"] is not None]),
+                mass_recall=mean([c["offload"]["mass_recall"] for c in off if c["offload"]["mass_recall"] is not None]),
+                late=sum(c["offload"]["stats"]["late"] for c in off),
+                prefetches=sum(c["offload"]["stats"]["prefetches"] for c in off))
 
 
 def rank_correlation(rows: list[dict]) -> list[dict]:
@@ -138,6 +164,8 @@ def table(rows: list[dict], fid: list[dict], jobs) -> str:
     head = ["strategy", "reserve", "measured"] + [f"{f} / {m.removeprefix('query_')}" for f, m in cols]
     head += ["top-1", "KL"] if fid else []
     head += ["predicted retained"]
+    offload = any("recall" in r for r in rows)
+    head += ["measured ≥2k (max)", "prefetch recall rows / mass"] if offload else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for strategy, ratio in jobs:
         mine = {(r["family"], r["mode"]): r for r in rows if r["strategy"] == strategy and r["requested_ratio"] == ratio}
@@ -148,6 +176,12 @@ def table(rows: list[dict], fid: list[dict], jobs) -> str:
         cells += [f"{mine[c]['correct']}/{mine[c]['total']}" if c in mine else "" for c in cols]
         cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}"] if f else ([""] * 2 if fid else [])
         cells += [f"{sum(c['predicted_retained'] for c in cases) / len(cases):.3f}" if cases else ""]
+        if offload:
+            o = [r for r in mine.values() if "recall" in r]
+            long = [c["measured_ratio"] for r in o for c in r["cases"] if c["context_tokens"] >= LONG]
+            rec = [(r["recall"], r["mass_recall"]) for r in o if r["recall"] is not None]
+            cells += [f"{sum(long) / len(long):.3f} ({max(long):.3f})" if long else "",
+                      f"{sum(a for a, _ in rec) / len(rec):.3f} / {sum(b for _, b in rec) / len(rec):.3f}" if rec else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -172,7 +206,7 @@ def main(argv=None) -> None:
     h = Harness.load()
     if args.tune_needles:
         return tune(h, args)
-    jobs = case_jobs(args.strategies, args.ratios)
+    jobs = args.runs or case_jobs(args.strategies, args.ratios)
     h.warmup(args.strategies)
     t0 = time.perf_counter()
     cases = [c for fam in args.families for c in C.generate(fam, h.tokenizer, args.lengths, args.depths)]

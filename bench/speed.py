@@ -80,11 +80,21 @@ def compress_timer():
             setattr(owner, name, orig)
 
 
-def one_run(h: Harness, prompt: Prompt, strategy: str, ratio: float, new_tokens: int) -> dict:
-    with compress_timer() as log:
-        res = h.run(prompt, strategy, ratio, new_tokens)
+def one_run(h: Harness, prompt: Prompt, strategy: str, ratio: float, new_tokens: int, open_store=None) -> dict:
+    """open_store(max_tokens) -> a job's cachestore handle for offload plans (None: in process)."""
+    plan = h.plan(strategy, list(prompt.context_ids), ratio)
+    store = open_store(prompt.num_tokens + new_tokens) if plan.offload.enabled and open_store else None
+    try:
+        with compress_timer() as log:
+            res = h.run(prompt, strategy, ratio, new_tokens, plan=plan, store=store)
+    finally:
+        if store is not None:
+            store.release()
     codebook = [x["codebook_s"] for x in log if x["kind"] == "codebook"]
+    off = res.offload or {"stats": {}, "transport": None}
     return dict(prefill_s=res.prefill_s, decode_s=res.decode_s, decode_steps=res.decode_steps,
+                transport=off["transport"], stall_s=off["stats"].get("stall_s", 0.0),
+                prefetches=off["stats"].get("prefetches", 0), late=off["stats"].get("late", 0),
                 generated=len(res.token_ids), measured_ratio=measured_ratio(res),
                 compressed_layers=len(log), compress_s=sum(x["compress_s"] for x in log),
                 codebook_layers=len(codebook), codebook_s=sum(codebook),
@@ -93,13 +103,14 @@ def one_run(h: Harness, prompt: Prompt, strategy: str, ratio: float, new_tokens:
 
 def summarize(length: int, strategy: str, reps: list[dict], full: dict | None) -> dict:
     med = {k: statistics.median(r[k] for r in reps)
-           for k in ("prefill_s", "decode_s", "compress_s", "codebook_s", "measured_ratio")}
+           for k in ("prefill_s", "decode_s", "compress_s", "codebook_s", "measured_ratio", "stall_s")}
     steps = reps[0]["decode_steps"]
     row = dict(context_tokens=length, strategy=strategy, repeats=len(reps), decode_steps=steps, **med,
                prefill_tps=length / med["prefill_s"], decode_tps=steps / med["decode_s"] if med["decode_s"] else 0.0,
                compress_ms_per_layer=1e3 * med["compress_s"] / max(1, reps[0]["compressed_layers"]),
                codebook_ms_per_layer=1e3 * med["codebook_s"] / reps[0]["codebook_layers"] if reps[0]["codebook_layers"] else None,
-               runs=reps)
+               stall_share=med["stall_s"] / med["decode_s"] if med["decode_s"] else 0.0,
+               prefetches=reps[0]["prefetches"], late=reps[0]["late"], transport=reps[0]["transport"], runs=reps)
     if full is not None:
         row["prefill_vs_full"] = row["prefill_tps"] / full["prefill_tps"]
         row["decode_vs_full"] = row["decode_tps"] / full["decode_tps"] if full["decode_tps"] else None
@@ -108,8 +119,9 @@ def summarize(length: int, strategy: str, reps: list[dict], full: dict | None) -
 
 def table(rows: list[dict]) -> str:
     lines = ["| context | strategy | measured ratio | prefill tok/s | vs full | decode tok/s | vs full | "
-             "layers compressed | compress ms/layer | codebook ms/layer | compress share of prefill |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "layers compressed | compress ms/layer | codebook ms/layer | compress share of prefill | "
+             "prefetch stall / late (transport) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         vs = lambda k: f"{r[k]:.2f}×" if r.get(k) is not None else "—"
         cb = f"{r['codebook_ms_per_layer']:.1f}" if r["codebook_ms_per_layer"] is not None else "—"
@@ -117,8 +129,23 @@ def table(rows: list[dict]) -> str:
         comp = f"{r['compress_ms_per_layer']:.1f}" if layers else "—"
         lines.append(f"| {r['context_tokens']} | {r['strategy']} | {r['measured_ratio']:.3f} | {r['prefill_tps']:.0f} | "
                      f"{vs('prefill_vs_full')} | {r['decode_tps']:.1f} | {vs('decode_vs_full')} | "
-                     f"{layers} | {comp} | {cb} | {100 * r['compress_s'] / r['prefill_s']:.0f}% |")
+                     f"{layers} | {comp} | {cb} | {100 * r['compress_s'] / r['prefill_s']:.0f}% | "
+                     + (f"{100 * r['stall_share']:.1f}% of decode, {r['late']}/{r['prefetches']} late ({r['transport']}) |"
+                        if r.get("prefetches") else "— |"))
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def cachestore_for_bench(h: Harness):
+    """A real cachestore process for the offload runs; yields open_store(max_tokens) -> a job
+    handle on the transport the client picks (shared memory here)."""
+    import itertools
+    from cachestore.process import spawn
+
+    with spawn() as (_, client):
+        ids, lm = itertools.count(), h.lm
+        yield lambda max_tokens: client.open("bench", f"speed-{next(ids)}", lm.num_layers, lm.num_kv_heads,
+                                             lm.head_dim, h.runner.storage_dtype, max_tokens, 64)
 
 
 def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sample: float) -> dict:
@@ -168,12 +195,15 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, help="decode tokens (default 64)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), help="`full` is always run as the reference")
     ap.add_argument("--repeats", type=int, help="runs per strategy and length, median reported (default 2; --quick 1)")
+    ap.add_argument("--prefetch-wait", type=float, default=0.05,
+                    help="offload plans: how long a step waits for a late prefetch (the `wait` policy), seconds")
+    ap.add_argument("--out", type=Path, help="results folder (default bench/results, --quick: bench/results/quick)")
     args = ap.parse_args(argv)
     args.lengths = args.lengths or ([1024] if args.quick else [1024, 2048, 4096])
     args.new_tokens = args.new_tokens or (16 if args.quick else 64)
     args.repeats = args.repeats or (1 if args.quick else 2)
     strategies = ["full"] + [s for s in check_strategies(args.strategies) if s != "full"]
-    out_dir = RESULTS / "quick" if args.quick else RESULTS
+    out_dir = args.out or (RESULTS / "quick" if args.quick else RESULTS)
 
     h = Harness.load()
     h.runner.stop_ids = set()                  # this runner only: every run decodes --new-tokens tokens
@@ -182,6 +212,10 @@ def main(argv=None) -> None:
     except C.HaystackMissing:
         text, source = C.python_docs(), "python docs"
     ids = h.tokenizer(text, add_special_tokens=False)["input_ids"]
+    h.runner.prefetch_wait_s = args.prefetch_wait
+    offloads = [s for s in strategies if STRATEGIES[s].definition.offload is not None]
+    stack = contextlib.ExitStack()
+    open_store = stack.enter_context(cachestore_for_bench(h)) if offloads else None
     h.warmup(strategies)
 
     rows, overhead = [], []
@@ -191,12 +225,13 @@ def main(argv=None) -> None:
         reps = {s: [] for s in strategies}
         for _ in range(args.repeats):
             for s in strategies:
-                reps[s].append(one_run(h, prompt, s, args.ratio, args.new_tokens))
+                reps[s].append(one_run(h, prompt, s, args.ratio, args.new_tokens, open_store))
                 print(f"{n} {s}: prefill {reps[s][-1]['prefill_s']:.2f}s decode {reps[s][-1]['decode_s']:.2f}s",
                       file=sys.stderr, flush=True)
         full = summarize(n, "full", reps["full"], None)
         rows += [full] + [summarize(n, s, reps[s], full) for s in strategies[1:]]
         overhead.append(planner_overhead(h, ids[:n], full, args.repeats, sample))
+    stack.close()
 
     out = dict(bench="speed", quick=args.quick, machine=platform.machine(), torch=torch.__version__,
                threads=torch.get_num_threads(), text=source, requested_ratio=args.ratio,

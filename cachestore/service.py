@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge
 
-from cachestore.keys import BlockKey
+from cachestore.keys import BlockKey, JobKey
+from cachestore.segment import Layout, Segment, segment_name
 from cachestore.store import BlockStore, CapacityError
 from cachestore.tensor_codec import decode, encode
 from kvplan.config import CachestoreConfig
@@ -49,12 +50,115 @@ def block_key(msg: cachestore_pb2.BlockKey) -> BlockKey:
     return BlockKey(msg.tenant, msg.job_id, msg.layer, msg.kv_head)
 
 
+CHUNK_BYTES = 4 << 20        # GetStream: bytes of K (and of V) per message
+
+
 class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
     def __init__(self, store: BlockStore, transport: str = "grpc"):
         self.store = store
         self.transport = transport
+        self.segments: dict[JobKey, Segment] = {}      # registered shared-memory jobs
         self._exported = {name: 0 for name in COUNTERS}
         self._export()
+
+    async def Register(self, request: cachestore_pb2.RegisterRequest, context) -> cachestore_pb2.RegisterReply:
+        def register():
+            job = JobKey(request.tenant, request.job_id)
+            layout = Layout(request.layers, request.kv_heads, request.head_dim, request.dtype, request.max_tokens,
+                            request.top_k)
+            if not request.shared_memory:
+                return cachestore_pb2.RegisterReply(transport="grpc")
+            seg = Segment(segment_name(job.tenant, job.job_id), layout, create=True)
+            try:
+                self.store.reserve(job, layout.nbytes, on_drop=lambda: self._drop_segment(job, seg))
+            except Exception:
+                seg.unlink()
+                raise
+            self.segments[job] = seg
+            self.transport = "shm"
+            log.info("job %s: segment %s (%d bytes)", job, seg.name, layout.nbytes)
+            return cachestore_pb2.RegisterReply(transport="shm", segment=seg.name, segment_bytes=layout.nbytes)
+
+        return await self._call(context, register)
+
+    async def PrefetchLayer(self, request: cachestore_pb2.PrefetchLayerRequest, context) -> cachestore_pb2.PrefetchLayerReply:
+        def prefetch():
+            job = JobKey(request.tenant, request.job_id)
+            if request.top_k < 1:
+                raise ValueError(f"top_k: must be >= 1, got {request.top_k}")
+            idx = torch.from_numpy(np.asarray(request.token_indices, dtype=np.int64))
+            if idx.numel() % request.top_k:
+                raise ValueError(f"token_indices: {idx.numel()} values are not kv_heads x top_k={request.top_k}")
+            idx = idx.view(-1, request.top_k)                                            # [H, k]
+            seg = self.segments.get(job)
+            if seg is not None:
+                return self._prefetch_shm(seg, request, idx)
+            return self._prefetch_blocks(request, idx)
+
+        reply = await self._call(context, prefetch)
+        if reply is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no rows of job {request.job_id!r} layer {request.layer}")
+        return reply
+
+    def _prefetch_shm(self, seg: Segment, request, idx: torch.Tensor) -> cachestore_pb2.PrefetchLayerReply:
+        lay = seg.layout
+        if not 0 <= request.layer < lay.layers:
+            raise ValueError(f"layer: must be in [0, {lay.layers}), got {request.layer}")
+        if idx.shape != (lay.kv_heads, min(request.top_k, lay.top_k)) or request.top_k > lay.top_k:
+            raise ValueError(f"token_indices: expected kv_heads x top_k = {lay.kv_heads} x <= {lay.top_k}, "
+                             f"got {list(idx.shape)}")
+        if not 0 <= request.rows <= lay.max_tokens:
+            raise ValueError(f"rows: must be in [0, {lay.max_tokens}], got {request.rows}")
+        slot = request.step % 2
+        seg.gather(request.layer, slot, idx, request.rows)
+        self.store.count(request.tenant, "prefetches")
+        return cachestore_pb2.PrefetchLayerReply(slot=slot)
+
+    def _prefetch_blocks(self, request, idx: torch.Tensor) -> cachestore_pb2.PrefetchLayerReply | None:
+        ks, vs = [], []
+        for h in range(idx.shape[0]):
+            rows = self.store.get(BlockKey(request.tenant, request.job_id, request.layer, h), idx[h], request.step)
+            if rows is None:
+                return None
+            ks.append(rows.k)
+            vs.append(rows.v)
+        self.store.count(request.tenant, "prefetches")
+        return cachestore_pb2.PrefetchLayerReply(k=encode(torch.stack(ks)), v=encode(torch.stack(vs)))
+
+    async def GetStream(self, request: cachestore_pb2.GetRequest, context):
+        rows = await self._rows(request, context)
+        k = rows.k.contiguous().view(torch.uint8).numpy()          # the store's bytes, no copy
+        v = rows.v.contiguous().view(torch.uint8).numpy()
+        dtype = str(rows.k.dtype).removeprefix("torch.")
+        per = CHUNK_BYTES // max(1, k.shape[1]) * k.shape[1] if k.ndim == 2 and k.shape[1] else CHUNK_BYTES
+        kb, vb = k.reshape(-1), v.reshape(-1)
+        for i, a in enumerate(range(0, max(1, kb.size), per)):
+            chunk = cachestore_pb2.Chunk(k=kb[a:a + per].tobytes(), v=vb[a:a + per].tobytes())
+            if i == 0:
+                chunk.shape.extend(rows.k.shape)
+                chunk.dtype = dtype
+            yield chunk
+
+    async def _rows(self, request: cachestore_pb2.GetRequest, context):
+        """The rows a Get asks for; NOT_FOUND when there is no such block."""
+        def get():
+            key = block_key(request.key)
+            return key, self.store.get(key, list(request.token_indices) or None, request.step)
+
+        key, rows = await self._call(context, get)
+        if rows is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"key: no block for job {key.job_id!r} layer {key.layer} kv_head {key.kv_head}")
+        return rows
+
+    def _drop_segment(self, job: JobKey, seg: Segment) -> None:
+        seg.unlink()
+        if self.segments.get(job) is seg:
+            del self.segments[job]
+
+    def stop(self) -> None:
+        """The service is stopping: drop every job, unlinking every segment."""
+        self.store.drop_all()
 
     async def Put(self, request: cachestore_pb2.PutRequest, context) -> cachestore_pb2.PutReply:
         def put():
@@ -68,14 +172,7 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         return cachestore_pb2.PutReply(rows=rows, bytes=nbytes)
 
     async def Get(self, request: cachestore_pb2.GetRequest, context) -> cachestore_pb2.GetReply:
-        def get():
-            key = block_key(request.key)
-            return key, self.store.get(key, list(request.token_indices) or None, request.step)
-
-        key, rows = await self._call(context, get)
-        if rows is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"key: no block for job {key.job_id!r} layer {key.layer} kv_head {key.kv_head}")
+        rows = await self._rows(request, context)
         return await asyncio.to_thread(
             lambda: cachestore_pb2.GetReply(
                 positions=rows.positions.tolist(), k=encode(rows.k), v=encode(rows.v), staged=rows.staged))
@@ -128,8 +225,13 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
 def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Service:
     """The cachestore as a kvplan Service; `store` lets tests hand in their own."""
     servicer = CachestoreServicer(store or BlockStore(cfg.capacity_bytes))
+
+    async def stop() -> None:
+        servicer.stop()
+
     return Service(
         name="cachestore",
         full_names=[cachestore_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name],
         register=lambda server: cachestore_pb2_grpc.add_CacheStoreServicer_to_server(servicer, server),
+        stop=stop,
     )

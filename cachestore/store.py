@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -61,6 +61,8 @@ class _Job:
     blocks: dict[BlockKey, Block] = field(default_factory=dict)
     nbytes: int = 0
     pinned: bool = False
+    reserved: int = 0                     # bytes of a registered shared-memory segment
+    on_drop: Callable[[], None] | None = None   # frees what the reservation stands for
 
 
 def _host(t: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -156,6 +158,16 @@ class BlockStore:
             self._jobs.move_to_end(key.job)
             return True
 
+    def reserve(self, job: JobKey, nbytes: int, on_drop: Callable[[], None]) -> None:
+        """Count `nbytes` (a job's shared-memory segment) against the capacity, pinned until
+        `release`; `on_drop` runs when the job is dropped. CapacityError when it cannot fit."""
+        with self._lock:
+            if job in self._jobs:
+                raise ValueError(f"job_id: {job.job_id!r} is already registered for tenant {job.tenant!r}")
+            self._make_room(nbytes, keep=job)
+            self._jobs[job] = _Job(nbytes=nbytes, pinned=True, reserved=nbytes, on_drop=on_drop)
+            self._used += nbytes
+
     def release(self, tenant: str, job_id: str, keep: bool = False) -> int:
         """Unpin a job; drop its blocks unless `keep`. Returns the bytes freed."""
         job_key = JobKey(tenant, job_id)
@@ -222,7 +234,20 @@ class BlockStore:
         job = self._jobs.pop(job_key)
         self._staging.drop_job(job_key)
         self._used -= job.nbytes
+        if job.on_drop is not None:
+            job.on_drop()
         return job.nbytes
+
+    def drop_all(self) -> None:
+        """Drop every job (the service is stopping): segments are unlinked."""
+        with self._lock:
+            for jk in list(self._jobs):
+                self._drop(jk)
+
+    def count(self, tenant: str, name: str) -> None:
+        """Count one event of `name` (a Counters field) for `tenant`."""
+        with self._lock:
+            self._count(tenant, name)
 
     def _count(self, tenant: str, name: str) -> None:
         for counters in (self._total, self._by_tenant.setdefault(tenant, Counters())):

@@ -28,16 +28,23 @@ class LayerBytes:
 class PlannedCache(Cache):
     def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, head_dim: int,
                  storage_dtype: torch.dtype, num_query_heads: int | None = None,
-                 rope: tuple[torch.Tensor, float] | None = None):
+                 rope: tuple[torch.Tensor, float] | None = None, store=None):
+        """store: the job's `cachestore.handle.JobHandle` when the plan offloads (its `offload`
+        part, fitted to the job by `executor.offload_budget`): its plain layers become `offload`."""
         if len(plan.layers) != num_layers:
             raise UnsupportedPlan(f"plan {plan.plan_id} has {len(plan.layers)} layers, the model {num_layers}")
         self.state = CacheState()
         ctx = LayerContext(storage_dtype, num_kv_heads, num_query_heads or num_kv_heads, head_dim,
-                           rope if rope is not None else (torch.ones(head_dim // 2), 1.0), self.state)
+                           rope if rope is not None else (torch.ones(head_dim // 2), 1.0), self.state,
+                           plan.offload if plan.offload.enabled else None, store)
+        if plan.offload.enabled and store is None:
+            raise UnsupportedPlan(f"plan {plan.plan_id} offloads, but no cachestore handle was given")
         lower = _merge_partners(plan)           # lower layer -> upper layer of each merged pair
         layers = []
         for i, lp in enumerate(plan.layers):
             name = "merge" if i in lower else lp.kind
+            if name == "full" and plan.offload.enabled:
+                name = "offload"
             kind = LAYER_KINDS.get(name)
             if kind is None:
                 raise UnsupportedPlan(f"layer {lp.layer}: kind {name!r} is not implemented (have {sorted(LAYER_KINDS)})")
@@ -47,6 +54,7 @@ class PlannedCache(Cache):
         super().__init__(layers=layers)
         self.plan = plan
         self.storage_dtype = storage_dtype
+        self.store = store
         self.row_bytes = num_kv_heads * head_dim * torch.empty((), dtype=storage_dtype).element_size()
 
     @property

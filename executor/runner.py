@@ -5,16 +5,18 @@ through `emit`, and stops early when `cancelled()` turns true.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from executor import attention
+from executor import attention, offload_budget
 from executor.cache import LayerBytes, PlannedCache
 from executor.prompt import Prompt
 from executor.sampler import Sampler
+from cachestore.handle import JobHandle, LocalHandle
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan, full_plan
 
@@ -37,6 +39,12 @@ class RunResult:
     decode_steps: int                 # forward passes after prefill
     finish_reason: str                # "eos" | "length" | "cancelled"
     layers: list[LayerBytes] = field(default_factory=list)
+    offload: dict | None = None       # offload plans: transport, fitted part, transfer stats, recall
+
+    @property
+    def degraded(self) -> bool:
+        """The cachestore failed during the job: it finished on its low-bit copy."""
+        return bool(self.offload and self.offload["failed"])
 
     @property
     def kv_bytes(self) -> int:
@@ -81,26 +89,55 @@ def _stop_ids(lm: LoadedModel) -> set[int]:
 
 
 class Runner:
-    def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, prefill_chunk: int = 512):
+    def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, prefill_chunk: int = 512,
+                 prefetch_wait_s: float = 0.0):
+        """prefetch_wait_s: how long an offload layer waits for a late prefetch before it attends
+        over its low-bit rows alone (0: never waits)."""
         self.lm = lm
+        self.prefetch_wait_s = prefetch_wait_s
         self.storage_dtype = storage_dtype
         self.prefill_chunk = prefill_chunk
         self.stop_ids = _stop_ids(lm)
         lm.model.set_attn_implementation(attention.register())     # every layer attends through its cache
 
-    def new_cache(self, plan: CompressionPlan) -> PlannedCache:
+    def new_cache(self, plan: CompressionPlan, store: JobHandle | None = None) -> PlannedCache:
         lm = self.lm
         rotary = lm.model.model.rotary_emb
         return PlannedCache(plan, lm.num_layers, lm.num_kv_heads, lm.head_dim, self.storage_dtype,
-                            lm.num_query_heads, (rotary.inv_freq.float(), float(rotary.attention_scaling)))
+                            lm.num_query_heads, (rotary.inv_freq.float(), float(rotary.attention_scaling)), store)
+
+    def fit(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling, budget: float | None) -> CompressionPlan:
+        """An offload plan's part fitted to the job's reserve ratio (`executor.offload_budget`)."""
+        if not plan.offload.enabled:
+            return plan
+        off = offload_budget.fit(plan.offload, budget, prompt.num_tokens, sampling.max_new_tokens,
+                                 self.lm.head_dim, self.storage_dtype.itemsize)
+        return dataclasses.replace(plan, offload=off)
 
     @torch.inference_mode()
     def run(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling,
             emit: Callable[[str, object], None] = lambda kind, x: None,
-            cancelled: Callable[[], bool] = lambda: False, prefix: Prefix | None = None) -> RunResult:
+            cancelled: Callable[[], bool] = lambda: False, prefix: Prefix | None = None,
+            store: JobHandle | None = None, budget: float | None = None, measure_recall: bool = False) -> RunResult:
         """emit("progress", (done, total)) during prefill; emit("delta", (text, ids)) per token.
-        `prefix`: this prompt's leading chunks already prefilled (`prefix_of`), used when it seeds."""
-        cache = self.new_cache(plan)
+        `prefix`: this prompt's leading chunks already prefilled (`prefix_of`), used when it seeds.
+        Offload plans: `store` is the job's cachestore handle (the caller releases it; None: an
+        in-process one, released here), `budget` the job's reserve ratio the offload part is
+        fitted to, `measure_recall` checks every prefetch against the oracle top-k (slow)."""
+        plan = self.fit(plan, prompt, sampling, budget)
+        own = store is None and plan.offload.enabled
+        store = LocalHandle() if own else store
+        try:
+            return self._run(prompt, plan, sampling, emit, cancelled, prefix, store, measure_recall)
+        finally:
+            if own:
+                store.release()
+
+    def _run(self, prompt, plan, sampling, emit, cancelled, prefix, store, measure_recall) -> RunResult:
+        cache = self.new_cache(plan, store)
+        offload = plan.offload.enabled
+        cache.state.wait_s = self.prefetch_wait_s
+        cache.state.recall = [] if offload and measure_recall else None
         sampler = Sampler(sampling.temperature, sampling.top_p, sampling.seed)
         t0 = time.perf_counter()
         logits = self._prefill(prompt, cache, emit, cancelled, prefix)
@@ -108,7 +145,7 @@ class Runner:
 
         generated: list[int] = []
         text, finish, steps = "", "length", 0
-        pos = prompt.num_tokens
+        pos, guess = prompt.num_tokens, None
         t1 = time.perf_counter()
         while True:
             tok = sampler(logits)
@@ -125,12 +162,18 @@ class Runner:
             if cancelled():
                 finish = "cancelled"
                 break
-            logits = self._forward([tok], pos, cache)
+            if offload:
+                if guess is None:
+                    guess = self._predecode(tok, pos, cache)
+                logits, guess = self._speculative_step(tok, guess, pos, cache, steps + 1)
+            else:
+                logits = self._forward([tok], pos, cache)
             pos += 1
             steps += 1
         decode_s = time.perf_counter() - t1
         text = self.lm.tokenizer.decode(generated, skip_special_tokens=True)
-        return RunResult(text, generated, prompt.num_tokens, prefill_s, decode_s, steps, finish, cache.layer_bytes())
+        return RunResult(text, generated, prompt.num_tokens, prefill_s, decode_s, steps, finish, cache.layer_bytes(),
+                         _offload_report(plan, store, cache) if offload else None)
 
     @torch.inference_mode()
     def prefix_of(self, prompt: Prompt, max_window: int = 32) -> Prefix:
@@ -167,14 +210,39 @@ class Runner:
         cache.state.phase = "after"
         return logits
 
-    def _forward(self, ids: list[int], start: int, cache: PlannedCache) -> torch.Tensor:
-        """ids: the new tokens at positions start.. -> logits of the last one, [V]."""
+    def _predecode(self, tok: int, pos: int, cache: PlannedCache) -> int:
+        """SpeCache's pre-decoding: `tok` at `pos` over the low-bit copies, storing nothing; its
+        attention prefetches step 1's rows and its prediction is the first guess."""
+        cache.state.phase, cache.state.step = "predecode", 0
+        logits = self._forward([tok], pos, cache)
+        cache.state.phase = "after"
+        return int(logits.argmax())
+
+    def _speculative_step(self, tok: int, guess: int, pos: int, cache: PlannedCache, step: int) -> tuple[torch.Tensor, int]:
+        """The real token at `pos` and the guess at pos + 1 in one forward -> (logits of the
+        real one [V], the next guess: the guess row's argmax)."""
+        cache.state.phase, cache.state.step = "spec", step
+        logits = self._forward([tok, guess], pos, cache, keep=2)                  # [2, V]
+        cache.state.phase = "after"
+        return logits[0], int(logits[1].argmax())
+
+    def _forward(self, ids: list[int], start: int, cache: PlannedCache, keep: int = 1) -> torch.Tensor:
+        """ids: the new tokens at positions start.. -> logits of the last one, [V] ([keep, V]
+        of the last `keep` when keep > 1)."""
         input_ids = torch.tensor([ids], dtype=torch.long)                      # [1, T_new]
         position_ids = torch.arange(start, start + len(ids)).unsqueeze(0)       # [1, T_new]
         with attention.using(cache):
             out = self.lm.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
-                                use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]                                                # [V]
+                                use_cache=True, logits_to_keep=keep)
+        return out.logits[0, -1] if keep == 1 else out.logits[0, -keep:]
+
+
+def _offload_report(plan: CompressionPlan, store: JobHandle, cache: PlannedCache) -> dict:
+    recall = cache.state.recall
+    return {"transport": store.transport, "failed": store.failed, "error": store.error,
+            "part": dataclasses.asdict(plan.offload), "stats": dataclasses.asdict(store.stats),
+            "recall": sum(r for r, _ in recall) / len(recall) if recall else None,
+            "mass_recall": sum(m for _, m in recall) / len(recall) if recall else None}
 
 
 def _chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:

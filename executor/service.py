@@ -15,6 +15,7 @@ import uuid
 import grpc
 import torch
 
+from cachestore.client import CachestoreClient
 from executor import prompt as prompts
 from executor import validation
 from executor.jobqueue import open_backend
@@ -39,14 +40,17 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.planner = PlannerClient(cfg.planner_addr, cfg.plan_deadline_s)
         self.runner: Runner | None = None
         self.worker: Worker | None = None
+        self.cachestore: CachestoreClient | None = None
         self._worker_task: asyncio.Task | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def warmup(self) -> None:
         await self.backend.open()
         lm = await asyncio.to_thread(models.load, self.model_cfg)
-        self.runner = Runner(lm, getattr(torch, self.model_cfg.storage_dtype), self.cfg.prefill_chunk)
-        self.worker = Worker(self.cfg, self.backend, self.runner, self.planner, self.executor_id)
+        self.runner = Runner(lm, getattr(torch, self.model_cfg.storage_dtype), self.cfg.prefill_chunk,
+                             self.cfg.prefetch_wait_s)
+        self.cachestore = CachestoreClient(self.cfg.cachestore_addr, self.cfg.cachestore_transport)
+        self.worker = Worker(self.cfg, self.backend, self.runner, self.planner, self.executor_id, self.cachestore)
         self._worker_task = asyncio.create_task(self.worker.run_forever())
         log.info("executor %s ready (model %s, queue %s)", self.executor_id, lm.path.name,
                  "redis" if self.cfg.redis_url else "in-process")
@@ -61,6 +65,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                 self.worker.abandon()         # ... then stops un-acked: another executor re-claims it
                 await asyncio.wait({self._worker_task}, timeout=30)
         await self.planner.close()
+        if self.cachestore is not None:
+            self.cachestore.close()
         await self.backend.close()
 
     # -- RPCs -------------------------------------------------------------------------------

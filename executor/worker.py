@@ -14,6 +14,7 @@ import threading
 
 from prometheus_client import Counter, Histogram
 
+from cachestore.handle import JobHandle, StoreUnavailable, Unavailable
 from executor import prompt as prompts
 from executor import validation
 from executor.jobqueue import Claim, JobBackend
@@ -40,8 +41,11 @@ class LostClaim(Exception):
 
 class Worker:
     def __init__(self, cfg: ExecutorConfig, backend: JobBackend, runner: Runner, planner: PlannerClient,
-                 executor_id: str):
+                 executor_id: str, cachestore=None):
+        """cachestore: opens a job's `JobHandle` (`cachestore.client.CachestoreClient`); None: offload
+        plans keep their rows in this process."""
         self.cfg, self.backend, self.runner, self.planner = cfg, backend, runner, planner
+        self.cachestore = cachestore
         self.executor_id = executor_id
         self._stopping = asyncio.Event()
         self._abandon = threading.Event()     # set at shutdown: stop the running job, keep it queued
@@ -153,21 +157,40 @@ class Worker:
                 status.generated_tokens = counted["tokens"]
                 await self.backend.set_status(claim.job_id, status.SerializeToString())
 
+        budget = _budget_ratio(req.budget, prompt.num_tokens)
+        store = await self._open_store(claim, req, outcome.plan, prompt.num_tokens + checked.max_new_tokens)
         tasks = [asyncio.create_task(pump()), asyncio.create_task(heartbeat())]
         run: RunResult | None = None
         try:
-            run = await asyncio.to_thread(self.runner.run, prompt, outcome.plan, sampling, emit, stop_flag.is_set)
+            run = await asyncio.to_thread(self.runner.run, prompt, outcome.plan, sampling, emit, stop_flag.is_set,
+                                          store=store, budget=budget)
             await events.join()
         except Cancelled:
             pass
         finally:
             for t in tasks:
                 t.cancel()
+            if store is not None:             # finished, failed or cancelled: the store drops the rows
+                await asyncio.to_thread(store.release)
         if lost["flag"]:
             raise LostClaim()
         if run is None or run.finish_reason == "cancelled":
             raise Cancelled()
         return _result(run, outcome, self.executor_id, self.runner)
+
+    async def _open_store(self, claim: Claim, req: pb.GenerateRequest, plan, max_tokens: int) -> JobHandle | None:
+        """The job's cachestore handle when its plan offloads; an unreachable cachestore gives a
+        failed handle (the job runs on its low-bit copy, degraded) — never a failed job."""
+        if not plan.offload.enabled or self.cachestore is None:
+            return None
+        lm = self.runner.lm
+        try:
+            return await asyncio.to_thread(
+                self.cachestore.open, req.tenant or "default", claim.job_id, lm.num_layers, lm.num_kv_heads,
+                lm.head_dim, self.runner.storage_dtype, max_tokens, plan.offload.top_k)
+        except StoreUnavailable as e:
+            log.warning("job %s: cachestore unavailable (%s); running on the low-bit copy, degraded", claim.job_id, e)
+            return Unavailable(str(e))
 
     async def _publish_status(self, claim: Claim, status: pb.JobStatus) -> None:
         await self.backend.set_status(claim.job_id, status.SerializeToString())
@@ -194,8 +217,30 @@ def _result(run: RunResult, outcome, executor_id: str, runner: Runner) -> pb.Job
         prefill_s=run.prefill_s, decode_s=run.decode_s,
         prefill_tokens_per_s=run.prompt_tokens / run.prefill_s if run.prefill_s else 0.0,
         decode_tokens_per_s=run.decode_steps / run.decode_s if run.decode_s else 0.0,
-        degraded=outcome.degraded, finish_reason=run.finish_reason, executor_id=executor_id,
+        degraded=outcome.degraded or run.degraded, finish_reason=run.finish_reason, executor_id=executor_id,
         storage_dtype=str(runner.storage_dtype).removeprefix("torch."),
         per_layer=[pb.LayerStats(layer=x.layer, kept_tokens=x.kept_tokens, kv_bytes=x.kv_bytes,
                                  full_kv_bytes=x.full_kv_bytes, kind=x.kind) for x in run.layers],
+        offload=_offload_stats(run.offload),
     )
+
+
+def _offload_stats(report: dict | None) -> pb.OffloadStats | None:
+    if report is None:
+        return None
+    part, st = report["part"], report["stats"]
+    return pb.OffloadStats(
+        transport=report["transport"], low_bits=part["low_bits"], group_size=part["group_size"], top_k=part["top_k"],
+        recent_window=part["recent_window"], host_kv_bytes=st["bytes_put"], prefetches=st["prefetches"],
+        in_time=st["in_time"], late=st["late"], bytes_fetched=st["bytes_fetched"], stall_s=st["stall_s"],
+        error=report["error"])
+
+
+def _budget_ratio(budget: pb.Budget, prompt_tokens: int) -> float | None:
+    """The job's budget as a reserve ratio (what an offload part is fitted to); None: unset."""
+    kind = budget.WhichOneof("kind")
+    if kind == "reserve_ratio":
+        return budget.reserve_ratio
+    if kind == "kv_tokens" and prompt_tokens:
+        return budget.kv_tokens / prompt_tokens
+    return None

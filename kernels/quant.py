@@ -4,7 +4,10 @@ Rows x [N, L] are cut into G = L / g groups of g consecutive elements. Per group
     scale = fp16((max - min) / (2^bits - 1)),  zero = fp16(min)
     code  = clamp(floor((x - zero) / scale + 0.5), 0, 2^bits - 1)      (scale 0: code 0)
     x'    = code * scale + zero
-so |x' - x| <= scale / 2, up to the fp16 rounding of min (|zero| * 2^-11). Codes of
+so |x' - x| <= scale / 2, up to the fp16 rounding of min (|zero| * 2^-11). At 1 bit `midpoint`
+(SpeCache's fix of KIVI, whose two levels min and max inflate magnitudes): scale = (max - min)/2,
+zero = (3·min + max)/4, so the levels are the midpoints of the two half-ranges, (3·min+max)/4
+and (min+3·max)/4; (x - zero)/scale spans [-0.5, 1.5] and the clamp keeps x = max at code 1. Codes of
 bits ∈ {1, 2, 4, 8} are packed P = 8 / bits to a uint8, little end first: value j of a row sits
 in byte j // P at bit (j % P) * bits; g must be a multiple of P, so a group owns whole bytes.
 
@@ -44,6 +47,7 @@ if HAS_TRITON:
         PER: tl.constexpr,       # P = 8 // BITS
         BLOCK_N: tl.constexpr,
         BLOCK_B: tl.constexpr,   # >= g / P bytes of one group
+        MIDPOINT: tl.constexpr,  # 1 bit: SpeCache's levels (3·min+max)/4 and (min+3·max)/4
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)          # rows of this program
         g = tl.program_id(1)                                            # one group per program
@@ -58,8 +62,12 @@ if HAS_TRITON:
                     mask=mask, other=0.0).to(tl.float32)                # [BLOCK_N, BLOCK_B, P]
         mx = tl.max(tl.max(tl.where(cmask[None, :, :], x, float("-inf")), axis=2), axis=1)   # [BLOCK_N]
         mn = tl.min(tl.min(tl.where(cmask[None, :, :], x, float("inf")), axis=2), axis=1)
-        scale = ((mx - mn) / ((1 << BITS) - 1)).to(tl.float16)
-        zero = mn.to(tl.float16)
+        if MIDPOINT:
+            scale = ((mx - mn) / 2).to(tl.float16)
+            zero = ((3 * mn + mx) / 4).to(tl.float16)
+        else:
+            scale = ((mx - mn) / ((1 << BITS) - 1)).to(tl.float16)
+            zero = mn.to(tl.float16)
         s = scale.to(tl.float32)
         z = zero.to(tl.float32)
         safe = tl.where(s > 0, s, 1.0)
@@ -146,8 +154,10 @@ def quantize_pack_triton(
     group_size: int,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,   # codes, scale, zero; allocated when None
     block_n: int = 16,
+    midpoint: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # codes [N, L / P] uint8, scale, zero [N, L / g] fp16
     """Launch the quantize-and-pack kernel; checks the contract first (`check_quant_args`)."""
+    assert not midpoint or bits == 1, "the midpoint quantizer is 1-bit only"
     if out is None:
         assert x.dim() == 2 and bits in BITS and group_size >= 1, (
             f"x must be [N, L], bits in {BITS}, group_size >= 1; got {list(x.shape)}, {bits}, {group_size}")
@@ -164,7 +174,7 @@ def quantize_pack_triton(
     grid, block_b = _grid_blocks(n, L, bits, group_size, block_n)
     _quantize_pack_kernel[grid](x, codes, scale, zero, n, x.stride(0), codes.stride(0), scale.stride(0),
                                 zero.stride(0), GROUP=group_size, BITS=bits, PER=per_byte(bits),
-                                BLOCK_N=block_n, BLOCK_B=block_b)
+                                BLOCK_N=block_n, BLOCK_B=block_b, MIDPOINT=midpoint)
     return codes, scale, zero
 
 
@@ -199,13 +209,17 @@ def quantize_pack_reference(
     x: torch.Tensor,        # [N, L] fp16/bf16/fp32, L a multiple of group_size
     bits: int,
     group_size: int,
+    midpoint: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # codes [N, L / P] uint8, scale, zero [N, L / g] fp16
     """What the kernel computes, in plain torch (vectorized over rows and groups)."""
     n, L = x.shape
     per, levels = per_byte(bits), (1 << bits) - 1
     xg = x.float().reshape(n, L // group_size, group_size)                      # [N, G, g]
     mn, mx = xg.amin(dim=-1), xg.amax(dim=-1)                                   # [N, G]
-    scale, zero = ((mx - mn) / levels).to(PARAM_DTYPE), mn.to(PARAM_DTYPE)
+    if midpoint:                                                                # 1 bit: levels at 1/4 and 3/4
+        scale, zero = ((mx - mn) / 2).to(PARAM_DTYPE), ((3 * mn + mx) / 4).to(PARAM_DTYPE)
+    else:
+        scale, zero = ((mx - mn) / levels).to(PARAM_DTYPE), mn.to(PARAM_DTYPE)
     s, z = scale.float(), zero.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.floor((xg - z[..., None]) / safe[..., None] + 0.5).clamp_(0, levels).to(torch.int32)
@@ -222,11 +236,23 @@ def unpack_dequantize_reference(
     group_size: int,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:          # [N, L] out_dtype
-    """What the kernel computes, in plain torch."""
+    """What the kernel computes, in plain torch: each byte's P codes from a [256, P] table, then
+    code * scale + zero per group."""
     n = codes.shape[0]
-    per, levels = per_byte(bits), (1 << bits) - 1
-    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits   # [P]
-    q = (codes.to(torch.int32)[..., None] >> shifts) & levels                    # [N, L / P, P]
-    q = q.reshape(n, scale.shape[1], group_size).float()                         # [N, G, g]
-    x = q * scale.float()[..., None] + zero.float()[..., None]
-    return x.reshape(n, scale.shape[1] * group_size).to(out_dtype)
+    q = _code_table(bits, codes.device)[codes.long()]                             # [N, L / P, P] fp32
+    q = q.view(n, scale.shape[1], group_size)                                    # [N, G, g]
+    x = torch.addcmul(zero.float()[..., None], q, scale.float()[..., None])
+    return x.view(n, scale.shape[1] * group_size).to(out_dtype)
+
+
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _code_table(bits: int, device: torch.device) -> torch.Tensor:
+    """[256, P] fp32: the P codes a byte holds, low bits first."""
+    key = (bits, torch.device(device))
+    if key not in _TABLES:
+        b = torch.arange(256, dtype=torch.int32, device=device)[:, None]
+        shifts = torch.arange(per_byte(bits), dtype=torch.int32, device=device) * bits
+        _TABLES[key] = ((b >> shifts) & ((1 << bits) - 1)).float()
+    return _TABLES[key]

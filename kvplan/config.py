@@ -139,6 +139,11 @@ class ExecutorConfig(ServiceConfig):
     claim_idle_ms: int = _env("KVPLAN_CLAIM_IDLE_MS", 15000, "a job silent this long is re-claimed from its executor")
     heartbeat_ms: int = _env("KVPLAN_HEARTBEAT_MS", 2000, "how often a running job tells the queue it is alive")
     max_attempts: int = _env("KVPLAN_MAX_ATTEMPTS", 3, "claims before a job is failed")
+    cachestore_transport: str = _env("KVPLAN_CACHESTORE_TRANSPORT", "auto",
+                                     "auto | shm | grpc: how offloaded K/V rows travel (auto: shm on the same host)")
+    prefetch_policy: str = _env("KVPLAN_PREFETCH_POLICY", "lowbit",
+                                "a prefetch late for its step: lowbit (attend over the low-bit rows) | wait")
+    prefetch_timeout_s: float = _env("KVPLAN_PREFETCH_TIMEOUT_S", 0.05, "how long the `wait` policy waits")
 
     def __post_init__(self):
         super().__post_init__()
@@ -154,6 +159,17 @@ class ExecutorConfig(ServiceConfig):
             raise ConfigError("KVPLAN_MAX_ATTEMPTS must be >= 1")
         if self.job_ttl_s < 1:
             raise ConfigError("KVPLAN_JOB_TTL_S must be >= 1")
+        if self.cachestore_transport not in ("auto", "shm", "grpc"):
+            raise ConfigError(f"KVPLAN_CACHESTORE_TRANSPORT must be auto, shm or grpc, got {self.cachestore_transport!r}")
+        if self.prefetch_policy not in ("lowbit", "wait"):
+            raise ConfigError(f"KVPLAN_PREFETCH_POLICY must be lowbit or wait, got {self.prefetch_policy!r}")
+        if self.prefetch_timeout_s < 0:
+            raise ConfigError(f"KVPLAN_PREFETCH_TIMEOUT_S must be >= 0, got {self.prefetch_timeout_s}")
+
+    @property
+    def prefetch_wait_s(self) -> float:
+        """How long an offload layer waits for a late prefetch (0 under `lowbit`)."""
+        return self.prefetch_timeout_s if self.prefetch_policy == "wait" else 0.0
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ class OffloadPlan:
     top_k: int = 64
     recent_window: int = 32
     sink_tokens: int = 4
+    value_group_size: int = 64     # channels sharing a value scale (keys: group_size tokens per channel)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,11 @@ def table(plan: CompressionPlan, prompt_tokens: int) -> str:
             f"{f'{q.bits}b g{q.group_size} r{q.residual}' if q else '-':<14}",
             f"{ev.kvcrush.rep_fraction:g} {ev.kvcrush.anchor}" if ev and ev.kvcrush else "-",
         ]))
+    off = plan.offload
+    if off.enabled:
+        rows.append(f"offload (SpeCache; plain layers): {off.low_bits}-bit copy, keys per {off.group_size} tokens, "
+                    f"values per {off.value_group_size} channels, window {off.recent_window}, top-k {off.top_k}, "
+                    f"sinks {off.sink_tokens}; the executor fits these to the job's budget")
     return "\n".join([head, *rows])
 
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, full_plan
+from executor import offload_budget
+from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
 from planner.definition import Definition
@@ -62,7 +63,7 @@ class Composed:
 
     def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
         d, l, m, r = self.d, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
-        if l == 0 or r >= 1.0 or not (d.eviction or d.codebook or d.merge or d.quant):
+        if l == 0 or r >= 1.0 or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
             return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
         b = self.budgets(inp) if d.eviction else None
         pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}
@@ -78,11 +79,24 @@ class Composed:
             ev = self._eviction(int(b.keep[i]), b.sinks, b.window, l) if b else None
             layers.append(LayerPlan(layer=i, eviction=ev, codebook=cb, quant=None if cb else d.quant))
             held.append(_held(layers[-1], l))
+        offload = self._offload(inp)
+        if offload.enabled:          # the executor fits the part to the budget; plain layers hold that
+            share = offload_budget.ratio(offload, l, 0, inp.model.head_dim)
+            held = [l * share if layers[i].kind == "full" and i not in pairs.values() else x for i, x in enumerate(held)]
         return CompressionPlan(
             plan_id=plan_id, strategy=inp.strategy, layers=tuple(layers), model_fingerprint=inp.model.fingerprint,
+            offload=offload,
             predicted_reserve_ratio=float(np.mean(held) / l),
             predicted_retained_attention=1.0 if b is None or b.retained is None else b.retained,
         )
+
+    def _offload(self, inp: PlanInput) -> OffloadPlan:
+        """The plan's offload part, fitted to the budget as the executor will (for the prediction)."""
+        o = self.d.offload
+        if o is None:
+            return OffloadPlan()
+        part = OffloadPlan(True, o.low_bits, o.group_size, o.top_k, o.recent_window, o.sink_tokens, o.value_group_size)
+        return offload_budget.fit(part, inp.target_ratio, inp.prompt_tokens, 0, inp.model.head_dim)
 
     def budgets(self, inp: PlanInput) -> Budgets:
         e, l, m, r = self.d.eviction, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio

@@ -12,7 +12,9 @@ validated against `strategy.schema.json`. Every field but `name` is optional:
     merge: {start_layer: 15, t: 0.6, retention_k: 0.05, retention_v: 0.05,  # MiniCache; default m // 2
             min_cos: 0.5}                                   # probe gate per pair; null: merge them all
     quant: {bits: 4, group_size: 32, residual: 32}                          # KIVI
-    offload: reserved (SpeCache, with the cachestore issue)
+    offload: {low_bits: 2, group_size: 32, top_k: 64, recent_window: 64, sink_tokens: 0,    # SpeCache:
+              value_group_size: 64}
+                                 # layers without another part keep a low-bit copy, the cachestore the rest
 
 The defaults are the dataclass defaults below (the schema states types and ranges only). Errors
 are `DefinitionError`s naming the field: `definition.eviction.scorer: 'foo' is not one of [...]`.
@@ -32,7 +34,7 @@ from kvplan.plan import KVCrush, Quant
 from planner.request import InvalidRequest
 
 SCHEMA: dict[str, Any] = json.loads(Path(__file__).with_name("strategy.schema.json").read_text())
-RESERVED = {"offload": "reserved: offload lands with the cachestore issue"}
+RESERVED: dict[str, str] = {}      # part names kept for later issues, refused with the reason
 
 
 class DefinitionError(InvalidRequest):
@@ -73,6 +75,18 @@ class MergePart:
 
 
 @dataclass(frozen=True)
+class OffloadPart:
+    """SpeCache (kvplan.plan.OffloadPlan): the executor fits group_size, recent_window and top_k
+    (these are the largest it may use) to the job's reserve ratio; low_bits stays."""
+    low_bits: int = 2
+    group_size: int = 64
+    top_k: int = 64
+    recent_window: int = 64
+    sink_tokens: int = 0
+    value_group_size: int = 64
+
+
+@dataclass(frozen=True)
 class Definition:
     name: str
     version: str = ""                         # "": not given (the registry numbers it; presets say "1")
@@ -84,6 +98,7 @@ class Definition:
     codebook: CodebookPart | None = None
     merge: MergePart | None = None
     quant: Quant | None = None
+    offload: OffloadPart | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)   # settings of other kinds
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,7 +116,8 @@ class Definition:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-PARTS = {"eviction": EvictionPart, "kvcrush": KVCrush, "codebook": CodebookPart, "merge": MergePart, "quant": Quant}
+PARTS = {"eviction": EvictionPart, "kvcrush": KVCrush, "codebook": CodebookPart, "merge": MergePart, "quant": Quant,
+         "offload": OffloadPart}
 
 
 def loads(text: str, kinds: Iterable[str], field: str = "definition") -> Definition:

@@ -6,6 +6,78 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegisterRequest(_message.Message):
+    __slots__ = ("tenant", "job_id", "layers", "kv_heads", "head_dim", "dtype", "max_tokens", "top_k", "shared_memory")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    job_id: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    max_tokens: int
+    top_k: int
+    shared_memory: bool
+    def __init__(self, tenant: _Optional[str] = ..., job_id: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("transport", "segment", "segment_bytes")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    segment: str
+    segment_bytes: int
+    def __init__(self, transport: _Optional[str] = ..., segment: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefetchLayerRequest(_message.Message):
+    __slots__ = ("tenant", "job_id", "layer", "step", "top_k", "token_indices", "rows")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDICES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    job_id: str
+    layer: int
+    step: int
+    top_k: int
+    token_indices: _containers.RepeatedScalarFieldContainer[int]
+    rows: int
+    def __init__(self, tenant: _Optional[str] = ..., job_id: _Optional[str] = ..., layer: _Optional[int] = ..., step: _Optional[int] = ..., top_k: _Optional[int] = ..., token_indices: _Optional[_Iterable[int]] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class PrefetchLayerReply(_message.Message):
+    __slots__ = ("slot", "k", "v")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    k: Tensor
+    v: Tensor
+    def __init__(self, slot: _Optional[int] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("k", "v", "shape", "dtype")
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    k: bytes
+    v: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
 class BlockKey(_message.Message):
     __slots__ = ("tenant", "job_id", "layer", "kv_head")
     TENANT_FIELD_NUMBER: _ClassVar[int]

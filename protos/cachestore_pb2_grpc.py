@@ -59,6 +59,21 @@ class CacheStoreStub:
                 request_serializer=protos_dot_cachestore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_cachestore__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/kvplan.v1.CacheStore/Register',
+                request_serializer=protos_dot_cachestore__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=protos_dot_cachestore__pb2.RegisterReply.FromString,
+                _registered_method=True)
+        self.PrefetchLayer = channel.unary_unary(
+                '/kvplan.v1.CacheStore/PrefetchLayer',
+                request_serializer=protos_dot_cachestore__pb2.PrefetchLayerRequest.SerializeToString,
+                response_deserializer=protos_dot_cachestore__pb2.PrefetchLayerReply.FromString,
+                _registered_method=True)
+        self.GetStream = channel.unary_stream(
+                '/kvplan.v1.CacheStore/GetStream',
+                request_serializer=protos_dot_cachestore__pb2.GetRequest.SerializeToString,
+                response_deserializer=protos_dot_cachestore__pb2.Chunk.FromString,
+                _registered_method=True)
 
 
 class CacheStoreServicer:
@@ -98,6 +113,30 @@ class CacheStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Register(self, request, context):
+        """A job's offload area. Same host: a shared-memory segment the executor writes rows into and
+        reads rows from by offset (one-sided; the RPCs below carry control only). Other hosts: rows
+        travel in Put and in GetStream's chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefetchLayer(self, request, context):
+        """Gather rows of every KV head of one layer into the segment's staging slot for `step`
+        (shared memory), or return them (gRPC). Also acknowledges the rows the executor wrote.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStream(self, request, context):
+        """A block's rows in chunks (the bulk path across hosts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +164,21 @@ def add_CacheStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_cachestore__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_cachestore__pb2.StatsReply.SerializeToString,
+            ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=protos_dot_cachestore__pb2.RegisterRequest.FromString,
+                    response_serializer=protos_dot_cachestore__pb2.RegisterReply.SerializeToString,
+            ),
+            'PrefetchLayer': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefetchLayer,
+                    request_deserializer=protos_dot_cachestore__pb2.PrefetchLayerRequest.FromString,
+                    response_serializer=protos_dot_cachestore__pb2.PrefetchLayerReply.SerializeToString,
+            ),
+            'GetStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetStream,
+                    request_deserializer=protos_dot_cachestore__pb2.GetRequest.FromString,
+                    response_serializer=protos_dot_cachestore__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +316,87 @@ class CacheStore:
             '/kvplan.v1.CacheStore/Stats',
             protos_dot_cachestore__pb2.StatsRequest.SerializeToString,
             protos_dot_cachestore__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.CacheStore/Register',
+            protos_dot_cachestore__pb2.RegisterRequest.SerializeToString,
+            protos_dot_cachestore__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefetchLayer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.CacheStore/PrefetchLayer',
+            protos_dot_cachestore__pb2.PrefetchLayerRequest.SerializeToString,
+            protos_dot_cachestore__pb2.PrefetchLayerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvplan.v1.CacheStore/GetStream',
+            protos_dot_cachestore__pb2.GetRequest.SerializeToString,
+            protos_dot_cachestore__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

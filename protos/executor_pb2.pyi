@@ -70,7 +70,7 @@ class LayerStats(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype")
+    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class JobResult(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     STORAGE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
     text: str
     strategy: str
     plan_id: str
@@ -105,7 +106,36 @@ class JobResult(_message.Message):
     finish_reason: str
     executor_id: str
     storage_dtype: str
-    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ...) -> None: ...
+    offload: OffloadStats
+    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ...) -> None: ...
+
+class OffloadStats(_message.Message):
+    __slots__ = ("transport", "low_bits", "group_size", "top_k", "recent_window", "host_kv_bytes", "prefetches", "in_time", "late", "bytes_fetched", "stall_s", "error")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LOW_BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    RECENT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    IN_TIME_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    STALL_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    low_bits: int
+    group_size: int
+    top_k: int
+    recent_window: int
+    host_kv_bytes: int
+    prefetches: int
+    in_time: int
+    late: int
+    bytes_fetched: int
+    stall_s: float
+    error: str
+    def __init__(self, transport: _Optional[str] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., host_kv_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., in_time: _Optional[int] = ..., late: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., stall_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "state", "executor_id", "attempts", "generated_tokens", "error", "result", "submitted_at")

@@ -2,20 +2,14 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from cachestore.process import free_port  # noqa: F401  (tests import it from here)
 from kvplan.cluster import wait_redis
 from kvplan.config import ModelConfig, from_env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,13 @@ from kvplan.plan import LayerPlan
 class CacheState:
     """Where the job is, shared by the cache's layers; set by the runner.
     phase: "context" (prefilling the part to compress), "compress" (its last chunk: layers
-    compress right after their attention), "after" (question and decode)."""
+    compress right after their attention), "after" (question and decode); with an offload plan
+also "predecode" and "spec" (`executor.layers.offload`)."""
     phase: str = "context"
     context_tokens: int = 0
+    step: int = 0                     # decode step of an offload plan ("predecode" is 0)
+    wait_s: float = 0.0               # how long an offload layer waits for a late prefetch
+    recall: list | None = None        # offload layers append their prefetch recall here when set
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class LayerContext:
     head_dim: int
     rope: tuple[torch.Tensor, float]          # (inv_freq [D/2], attention_scaling)
     state: CacheState = field(default_factory=CacheState)
+    offload: object | None = None             # the plan's OffloadPlan, fitted (offload layers)
+    store: object | None = None               # cachestore.handle.JobHandle (offload layers)
 
 
 class FullLayer(DynamicLayer):

@@ -28,7 +28,10 @@ CASES = {
     "fp32_row_strided_b2_g16": (9, 32, 2, 16, torch.float32, "row_stride_45", 8),
     "fp32_one_row_b8_g8": (1, 8, 8, 8, torch.float32, "contiguous", 16),
     "fp32_no_rows_b4_g8": (0, 16, 4, 8, torch.float32, "contiguous", 16),
+    "fp16_N7_L24_b1_g8_midpoint": (7, 24, 1, 8, torch.float16, "contiguous", 4),    # SpeCache's 1-bit levels
+    "fp32_N5_L64_b1_g32_midpoint": (5, 64, 1, 32, torch.float32, "contiguous", 16),
 }
+MIDPOINT = {name for name in CASES if name.endswith("_midpoint")}
 OUT_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
@@ -56,7 +59,7 @@ def _child(out_path: str) -> None:
         out = (torch.full((n, L * bits // 8), 0xA5, dtype=torch.uint8),
                torch.full((n, L // g), float("nan"), dtype=torch.float16),
                torch.full((n, L // g), float("nan"), dtype=torch.float16))
-        codes, scale, zero = quant.quantize_pack_triton(x, bits, g, out=out, block_n=block_n)
+        codes, scale, zero = quant.quantize_pack_triton(x, bits, g, out=out, block_n=block_n, midpoint=name in MIDPOINT)
         back = torch.full((n, L), float("nan"), dtype=x.dtype)
         quant.unpack_dequantize_triton(codes, scale, zero, bits, g, out=back, block_n=block_n)
         results[name] = (x, codes, scale, zero, back)
@@ -77,7 +80,7 @@ def test_child_really_ran_the_interpreter(interpreted):
 def test_kernels_match_reference(interpreted, name):
     x, codes, scale, zero, back = interpreted[name]
     n, L, bits, g, dtype, *_ = CASES[name]
-    ref_codes, ref_scale, ref_zero = quant.quantize_pack_reference(x, bits, g)
+    ref_codes, ref_scale, ref_zero = quant.quantize_pack_reference(x, bits, g, midpoint=name in MIDPOINT)
     assert codes.shape == ref_codes.shape == (n, L * bits // 8) and codes.dtype == torch.uint8
     assert scale.shape == zero.shape == (n, L // g) and scale.dtype == zero.dtype == torch.float16
     assert not scale.isnan().any() and not zero.isnan().any(), "kernel left poisoned scales/zeros"
@@ -98,6 +101,26 @@ def test_dispatch_uses_triton_under_interpreter(interpreted):
 
 
 # -- the form itself (references; what the kernels were checked against above) ---------------------
+
+def test_worked_example_one_bit_midpoint_levels():
+    """Group [0, 1, 2, 3, 0, 1, 2, 3] at 1 bit: plain KIVI reconstructs 0 and 3 (the ends); the
+    midpoint form reconstructs the centres of the half-ranges, 0.75 and 2.25, and x = max keeps
+    code 1 (its (x - zero) / scale is 1.5, which rounds to 2 without the clamp)."""
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0] * 2 + [5.0] * 8])                  # two groups of 8 (one constant)
+    codes, scale, zero = kernels.quantize_pack(x, 1, 8, midpoint=True)
+    assert scale.tolist() == [[1.5, 0.0]] and zero.tolist() == [[0.75, 5.0]]
+    back = kernels.unpack_dequantize(codes, scale, zero, 1, 8)
+    assert back.tolist() == [[0.75, 0.75, 2.25, 2.25] * 2 + [5.0] * 8]
+    plain = kernels.unpack_dequantize(*kernels.quantize_pack(x, 1, 8), 1, 8)
+    assert plain[0, :4].tolist() == [0.0, 0.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="1-bit only"):
+        kernels.quantize_pack(x, 2, 8, midpoint=True)
+
+
+def test_midpoint_halves_the_one_bit_error_on_uniform_data():
+    x = torch.rand(64, 256, generator=torch.Generator().manual_seed(0))
+    err = lambda mid: (kernels.unpack_dequantize(*kernels.quantize_pack(x, 1, 32, midpoint=mid), 1, 32) - x).abs().mean()
+    assert err(True) < 0.6 * err(False)          # uniform on [0, 1): 1/8 vs 1/4 expected
 def test_worked_example_two_bits_reconstructs_a_ramp_exactly():
     """[0, 1, 2, 3] at 2 bits: scale (3 - 0) / 3 = 1, zero 0, codes 0..3 packed little end first
     into one byte 0b11_10_01_00 = 228; a second group [10, 10, 10, 10] is constant: scale 0."""

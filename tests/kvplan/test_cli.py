@@ -80,7 +80,7 @@ def test_strategies_define_registers_and_activates_a_definition(planner_up, tmp_
 
 @pytest.mark.parametrize("text, words", [
     (MINE.replace("scorer: snapkv", "scorer: foo"), "definition.eviction.scorer: 'foo' is not one of"),
-    ("name: x\noffload: {}\n", "definition.offload: reserved: offload lands with the cachestore issue"),
+    ("name: x\noffload: {low_bits: 3}\n", "definition.offload.low_bits: 3 is not one of [1, 2, 4]"),
     ("{name: x", "definition: not valid JSON or YAML"),
 ])
 def test_strategies_define_a_bad_file_exits_2_naming_the_field(planner_up, tmp_path, capsys, text, words):

@@ -66,7 +66,7 @@ def test_a_null_window_survives_the_round_trip():
     ("{name: x, kind: nope}", "definition.kind", "'nope' is not one of ['auto', 'compose']"),
     ("{name: 'bad name'}", "definition.name", "does not match"),
     ("{description: nameless}", "definition", "'name' is a required property"),
-    ("{name: x, offload: {enabled: true}}", "definition.offload", "offload lands with the cachestore issue"),
+    ("{name: x, offload: {low_bits: 3}}", "definition.offload.low_bits", "3 is not one of [1, 2, 4]"),
     ("{name: x, codebook: {}, quant: {}}", "definition.quant", "does not stack with a codebook"),
     ("[1, 2]", "definition", "must be a mapping"),
     ("{name: x", "definition", "not valid JSON or YAML"),

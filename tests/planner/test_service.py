@@ -153,8 +153,8 @@ async def test_set_strategy_with_a_definition_registers_it_and_makes_it_active()
 @pytest.mark.parametrize("req, details", [
     (planner_pb2.SetStrategyRequest(definition=MINE.replace("scorer: snapkv", "scorer: foo")),
      "definition.eviction.scorer: 'foo' is not one of ['snapkv', 'h2o', 'streaming_llm']"),
-    (planner_pb2.SetStrategyRequest(definition=MINE + "offload: {enabled: true}\n"),
-     "definition.offload: reserved: offload lands with the cachestore issue"),
+    (planner_pb2.SetStrategyRequest(definition=MINE + "offload: {top_k: 0}\n"),
+     "definition.offload.top_k: 0 is less than the minimum of 1"),
     (planner_pb2.SetStrategyRequest(definition="name: snapkv\n"), "definition.name: 'snapkv' is a shipped strategy"),
     (planner_pb2.SetStrategyRequest(name="other", definition=MINE), "name: 'other' is not the definition's name"),
     (planner_pb2.SetStrategyRequest(definition="{name: mine"), "definition: not valid JSON or YAML"),

@@ -33,7 +33,7 @@ def evictions(p):
 
 
 def test_registry_holds_the_shipped_presets():
-    assert set(STRATEGIES) == {"full", *EVICTING, *PROBING, "minicache", "auto"}
+    assert set(STRATEGIES) == {"full", *EVICTING, *PROBING, "minicache", "auto", "specache", "specache-1bit"}
     assert [d.name for d in PRESETS] == list(STRATEGIES)
     for name, s in STRATEGIES.items():
         assert s.name == name and s.version and s.description and "\n" not in s.description
@@ -206,3 +206,15 @@ def test_planners_registry_builds_a_strategy_per_kind(monkeypatch):
     monkeypatch.setitem(PLANNERS, "auto", fake)
     s = build(parse("{name: mine, kind: auto, options: {target: 0.9}}"))
     assert (s.name, seen) == ("mine", ["mine"]) and s.definition is None
+
+
+@pytest.mark.parametrize("name, bits", [("specache", 2), ("specache-1bit", 1)])
+def test_specache_offloads_every_layer_within_the_budget(name, bits):
+    p = plan(name, prompt=4096, ratio=0.2)
+    assert p.offload.enabled and p.offload.low_bits == bits
+    assert all(lp.kind == "full" for lp in p.layers)          # the executor makes plain layers `offload`
+    assert p.predicted_reserve_ratio <= 0.2
+    assert p.offload.group_size in (32, 64) and 16 <= p.offload.top_k <= 64
+    roomy = plan(name, prompt=4096, ratio=0.6)
+    assert (roomy.offload.top_k, roomy.offload.recent_window) == (64, 64)   # the preset's, when they fit
+    assert plan(name, prompt=4096, ratio=1.0).offload.enabled is False       # a whole budget: full

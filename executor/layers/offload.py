@@ -1,0 +1,177 @@
+"""`offload` cache layer (SpeCache): the full-precision K/V lives in the cachestore; the layer
+holds a low-bit copy (`LowBitKV`), the sink rows, and a buffer of `top_k` exact rows per KV
+head prefetched for the current decode step.
+
+    context chunks      dense causal attention (as `full`)
+    context's last one  exact attention, then every row goes to the store, the low-bit copy is
+                        built and the dense copy dropped
+    later prefill       (the question, or any multi-token call) exact attention over the rows
+                        read back from the store for this one call (transient, one layer at a
+                        time); the new rows are offloaded and quantized
+    "predecode"         one token over the low-bit copy: its attention picks the first top-k
+                        and prefetches it; nothing is stored (the token is fed again next step)
+    "spec" step t       the real token (position N) and the speculative one (N+1) attend over
+                        the low-bit copy with the rows prefetched for step t put in place of
+                        theirs; the speculative row's attention, averaged over each KV group,
+                        picks the top-k rows for step t+1, prefetched right away; only the real
+                        token's K/V is stored
+A layer whose store has failed (`store.failed`) goes on with its low-bit copy alone.
+
+Shapes: H query heads, H_kv KV heads, h_n = H / H_kv, Tq new tokens, Q quantized rows, D head dim."""
+from __future__ import annotations
+
+import torch
+
+from executor.attention import causal_attention
+from executor.layers.full import FullLayer, LayerContext
+from executor.layers.lowbit import LowBitKV
+from kvplan.plan import LayerPlan
+
+
+class OffloadLayer(FullLayer):
+    kind = "offload"
+
+    def __init__(self, plan: LayerPlan, ctx: LayerContext):
+        super().__init__(plan, ctx)
+        if ctx.offload is None or ctx.store is None:
+            raise ValueError("an offload layer needs the plan's offload part and a store handle")
+        self.off, self.store = ctx.offload, ctx.store
+        self.low: LowBitKV | None = None
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None          # [H_kv, Tq, D] each
+
+    @property
+    def compressed(self) -> bool:
+        return self.low is not None
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens_seen + query_length, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [1, H_kv, Tq, D] post-RoPE. After compression the rows are kept
+        aside for `attend`, which decides what is stored."""
+        if not self.compressed:
+            return super().update(key_states, value_states)
+        self._new = (key_states[0], value_states[0])
+        return key_states, value_states
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q: [1, H, Tq, D] -> [1, Tq, H, D]."""
+        if not self.compressed:
+            out = causal_attention(q, k, v, scaling)
+            if self.ctx.state.phase == "compress":
+                self._offload_context()
+            return out
+        phase = self.ctx.state.phase
+        if phase in ("predecode", "spec"):
+            return self._speculate(q, scaling, commit=phase == "spec")
+        return self._exact(q, scaling)
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def _offload_context(self) -> None:
+        k, v = self.keys[0], self.values[0]                                   # [H_kv, T, D] storage dtype
+        self.store.put(self.plan.layer, k, v)
+        s = min(self.off.sink_tokens, k.shape[1])
+        self.sink_k, self.sink_v = k[:, :s].clone(), v[:, :s].clone()        # [H_kv, S, D]
+        self.low = LowBitKV(k, v, self.off.low_bits, self.off.group_size, self.off.recent_window, self.storage_dtype,
+                            self.off.value_group_size)
+        self.low.seal()
+        h, d = k.shape[0], k.shape[2]
+        self.buf_k = torch.zeros(h, self.off.top_k, d, dtype=self.storage_dtype)    # [H_kv, k, D] prefetched rows
+        self.buf_v = torch.zeros_like(self.buf_k)
+        self.buf_idx = torch.zeros(h, self.off.top_k, dtype=torch.int16 if k.shape[1] < 1 << 15 else torch.int32)
+        self.keys = self.values = None
+
+    def _exact(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Exact attention of the new tokens over every row (read back from the store)."""
+        nk, nv = self._new
+        rows = self.store.read(self.plan.layer)
+        if rows is None:                                                     # store gone: low-bit copy
+            rows = self._lowbit(q.dtype)
+        k = torch.cat([rows[0].to(q.dtype), nk.to(q.dtype)], dim=1)          # [H_kv, N + Tq, D]
+        v = torch.cat([rows[1].to(q.dtype), nv.to(q.dtype)], dim=1)
+        out = causal_attention(q, k[None], v[None], scaling)
+        self._commit(nk, nv)
+        if nk.shape[1] > 1:
+            self.low.seal()
+        return out
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _lowbit(self, dtype: torch.dtype, fetched=None, new=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [H_kv, N (+ Tq), D] of every stored position — the low-bit copy's rows with the
+        sinks and the prefetched rows exact — then `new` (k, v [H_kv, Tq, D]) when given."""
+        k, v = self.low.rows(dtype, *(new or (None, None)))                  # [H_kv, N (+ Tq), D]
+        s = self.sink_k.shape[1]
+        k[:, :s], v[:, :s] = self.sink_k, self.sink_v
+        if fetched is not None:
+            idx = fetched.idx.unsqueeze(-1).expand(-1, -1, k.shape[-1])     # [H_kv, k, D]
+            k.scatter_(1, idx, fetched.k.to(dtype))
+            v.scatter_(1, idx, fetched.v.to(dtype))
+        return k, v
+
+    def _speculate(self, q: torch.Tensor, scaling: float, commit: bool) -> torch.Tensor:
+        """Mixed attention (Eq. 1) and the next step's top-k from the last query row."""
+        state, layer = self.ctx.state, self.plan.layer
+        nk, nv = self._new                                                   # [H_kv, Tq, D]
+        fetched = self.store.take(layer, state.step, state.wait_s) if commit else None
+        if fetched is not None:
+            kk = fetched.idx.shape[1]
+            self.buf_k[:, :kk], self.buf_v[:, :kk] = fetched.k, fetched.v
+            self.buf_idx[:, :kk] = fetched.idx.to(self.buf_idx.dtype)
+        k, v = self._lowbit(q.dtype, fetched, (nk, nv))                     # [H_kv, L = N + Tq, D]
+        hk, tq, d = nk.shape
+        qg = q[0].view(hk, -1, tq, d)                                        # [H_kv, h_n, Tq, D]
+        logits = torch.einsum("ghtd,gld->ghtl", qg, k) * scaling             # [H_kv, h_n, Tq, L]
+        if tq == 2:
+            logits[:, :, 0, -1] = float("-inf")                              # the real token cannot see the guess
+        probs = torch.softmax(logits.float(), dim=-1)
+        out = torch.einsum("ghtl,gld->ghtd", probs.to(q.dtype), v)           # [H_kv, h_n, Tq, D]
+        if state.recall is not None and fetched is not None:
+            state.recall.append(self._recall(qg[:, :, 0], nk[:, :1], fetched.idx, scaling))
+        if commit:
+            self._commit(nk[:, :1], nv[:, :1])
+        self._select(probs[:, :, -1].mean(1), state.step + 1)     # after the commit: over next step's low-bit rows
+        return out.reshape(-1, tq, d).transpose(0, 1)[None].contiguous()
+
+    def _select(self, scores: torch.Tensor, step: int) -> None:
+        """scores: [H_kv, L] a query's attention (group mean); prefetch the top-k candidates —
+        positions with a low-bit key or value at the next step, sinks excepted — for `step`."""
+        s, qn = self.sink_k.shape[1], self.low.quantized
+        kk = min(self.off.top_k, qn - s)
+        if kk > 0:
+            idx = scores[:, s:qn].topk(kk, dim=-1).indices + s                # [H_kv, k]
+            self.store.prefetch(self.plan.layer, step, idx)
+
+    def _recall(self, q0: torch.Tensor, k0: torch.Tensor, fetched: torch.Tensor, scaling: float) -> tuple[float, float]:
+        """How much of the oracle top-k (the real token's attention over the exact keys) the
+        speculative prefetch brought: (share of its rows, share of its attention mass).
+        q0: [H_kv, h_n, D]; k0: [H_kv, 1, D]; fetched: [H_kv, k]."""
+        rows = self.store.read(self.plan.layer)
+        if rows is None:
+            return float("nan"), float("nan")
+        keys = torch.cat([rows[0].to(q0.dtype), k0.to(q0.dtype)], dim=1)    # [H_kv, N + 1, D]
+        probs = torch.softmax(torch.einsum("ghd,gld->ghl", q0, keys).float() * scaling, dim=-1).mean(1)
+        s, kk = self.sink_k.shape[1], fetched.shape[1]
+        cand = probs[:, s:self.low.quantized]                                                # [H_kv, C]
+        oracle = cand.topk(kk, dim=-1)
+        hit = (oracle.indices.unsqueeze(-1) + s == fetched.unsqueeze(-2)).any(-1)           # [H_kv, k]
+        mass = (oracle.values * hit).sum() / oracle.values.sum().clamp_min(1e-30)
+        return float(hit.float().mean()), float(mass)
+
+    def _commit(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new rows k, v [H_kv, T, D]: offloaded and appended to the low-bit copy."""
+        k, v = k.to(self.storage_dtype), v.to(self.storage_dtype)
+        self.store.put(self.plan.layer, k, v)
+        self.low.append(k, v)
+        self.tokens_seen += k.shape[1]
+
+    # -- accounting ------------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        if not self.compressed:
+            return super().tensors()
+        return self.low.tensors() + [self.sink_k, self.sink_v, self.buf_k, self.buf_v, self.buf_idx]
+
+    def kept_tokens(self) -> int:
+        return self.tokens_seen
