@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge
 
 from cachestore.keys import BlockKey, JobKey
 from cachestore.segment import Layout, Segment, segment_name
+from cachestore.spill import RedisSpill
 from cachestore.store import BlockStore, CapacityError
 from cachestore.tensor_codec import decode, encode
 from kvplan.config import CachestoreConfig
@@ -193,7 +194,8 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         return cachestore_pb2.StatsReply(
             capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, blocks=s.blocks, jobs=s.jobs,
             pinned_jobs=s.pinned_jobs, evictions=s.evictions, hits=s.hits, misses=s.misses,
-            prefetches=s.prefetches, prefetch_hits=s.prefetch_hits, transport=self.transport)
+            prefetches=s.prefetches, prefetch_hits=s.prefetch_hits, transport=self.transport,
+            spilled=s.spilled, reloaded=s.reloaded)
 
     async def _call(self, context, fn: Callable[[], R]) -> R:
         """Run `fn` in a worker thread; abort the RPC with the status its failure maps to."""
@@ -224,7 +226,10 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
 
 def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Service:
     """The cachestore as a kvplan Service; `store` lets tests hand in their own."""
-    servicer = CachestoreServicer(store or BlockStore(cfg.capacity_bytes))
+    if store is None:
+        spill = RedisSpill(cfg.redis_url, cfg.spill_ttl_s) if cfg.redis_url else None
+        store = BlockStore(cfg.capacity_bytes, spill=spill)
+    servicer = CachestoreServicer(store)
 
     async def stop() -> None:
         servicer.stop()

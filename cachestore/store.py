@@ -39,6 +39,8 @@ class Counters:
     evictions: int = 0       # jobs evicted for capacity
     prefetches: int = 0      # prefetches accepted (the block existed)
     prefetch_hits: int = 0   # gets served from the staging area
+    spilled: int = 0         # blocks of evicted jobs written to the spill tier
+    reloaded: int = 0        # blocks read back from it
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class StoreStats:
     evictions: int
     prefetches: int
     prefetch_hits: int
+    spilled: int = 0
+    reloaded: int = 0
     capacity_bytes: int = 0
     used_bytes: int = 0
     blocks: int = 0
@@ -83,7 +87,8 @@ def _as_indices(token_indices: Indices) -> torch.Tensor | None:   # [N] int64 on
 
 
 class BlockStore:
-    def __init__(self, capacity_bytes: int, max_staged: int = 4096):
+    def __init__(self, capacity_bytes: int, max_staged: int = 4096, spill=None):
+        """spill: a `cachestore.spill.RedisSpill` for the blocks of evicted jobs, or None."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -93,6 +98,7 @@ class BlockStore:
         self._used = 0
         self._total = Counters()
         self._by_tenant: dict[str, Counters] = {}
+        self.spill = spill
 
     # -- the five operations ------------------------------------------------------------
 
@@ -133,7 +139,7 @@ class BlockStore:
         """
         idx = _as_indices(token_indices)
         with self._lock:
-            block = self._block(key)
+            block = self._block(key) or self._reload(key)
             if block is None:
                 self._count(key.tenant, "misses")
                 return None
@@ -150,7 +156,7 @@ class BlockStore:
         """Gather rows now for the Get of `step`; False when the block does not exist."""
         idx = _as_indices(token_indices)
         with self._lock:
-            block = self._block(key)
+            block = self._block(key) or self._reload(key)
             if block is None:
                 return False
             self._staging.stage(key, step, idx, self._read(block, idx))
@@ -172,6 +178,8 @@ class BlockStore:
         """Unpin a job; drop its blocks unless `keep`. Returns the bytes freed."""
         job_key = JobKey(tenant, job_id)
         with self._lock:
+            if self.spill is not None and not keep:
+                self.spill.drop_job(job_key)
             job = self._jobs.get(job_key)
             if job is None:
                 return 0
@@ -226,9 +234,33 @@ class BlockStore:
         for jk in victims:
             if over <= 0:
                 break
+            self._spill(jk)
             over -= self._drop(jk)
             self._count(jk.tenant, "evictions")
             log.info("evicted job %s (least recently used) to fit %d bytes", jk, needed)
+
+    def _spill(self, job_key: JobKey) -> None:
+        """Write an evicted job's blocks to the spill tier (when there is one)."""
+        if self.spill is None:
+            return
+        for key, block in self._jobs[job_key].blocks.items():
+            self.spill.save(key, block.all_rows())
+            self._count(key.tenant, "spilled")
+
+    def _reload(self, key: BlockKey) -> Block | None:
+        """A block of an evicted job, back from the spill tier into memory (unpinned), or None."""
+        if self.spill is None:
+            return None
+        rows = self.spill.load(key)
+        if rows is None:
+            return None
+        self._make_room(rows.nbytes, keep=key.job)
+        job = self._jobs.setdefault(key.job, _Job())
+        block = job.blocks[key] = Block(rows.positions, rows.k, rows.v)
+        job.nbytes += block.nbytes
+        self._used += block.nbytes
+        self._count(key.tenant, "reloaded")
+        return block
 
     def _drop(self, job_key: JobKey) -> int:
         job = self._jobs.pop(job_key)

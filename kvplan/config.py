@@ -178,11 +178,15 @@ class CachestoreConfig(ServiceConfig):
     port: int = _env("KVPLAN_CACHESTORE_PORT", 50053)
     metrics_port: int = _env("KVPLAN_CACHESTORE_METRICS_PORT", 9153)
     capacity_bytes: int = _env("KVPLAN_CACHESTORE_CAPACITY_BYTES", 4 << 30, "host memory for KV blocks")
+    redis_url: str = _env("KVPLAN_CACHESTORE_REDIS_URL", "", "spill tier for blocks of evicted jobs; empty: none")
+    spill_ttl_s: int = _env("KVPLAN_CACHESTORE_SPILL_TTL_S", 3600, "how long spilled blocks are kept")
 
     def __post_init__(self):
         super().__post_init__()
         if self.capacity_bytes <= 0:
             raise ConfigError(f"KVPLAN_CACHESTORE_CAPACITY_BYTES must be > 0, got {self.capacity_bytes}")
+        if self.spill_ttl_s < 1:
+            raise ConfigError(f"KVPLAN_CACHESTORE_SPILL_TTL_S must be >= 1, got {self.spill_ttl_s}")
 
 
 @dataclass(frozen=True)

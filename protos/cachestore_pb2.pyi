@@ -185,7 +185,7 @@ class StatsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "jobs", "pinned_jobs", "evictions", "hits", "misses", "prefetches", "prefetch_hits", "transport")
+    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "jobs", "pinned_jobs", "evictions", "hits", "misses", "prefetches", "prefetch_hits", "transport", "spilled", "reloaded")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,8 @@ class StatsReply(_message.Message):
     PREFETCHES_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_FIELD_NUMBER: _ClassVar[int]
+    RELOADED_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     blocks: int
@@ -208,4 +210,6 @@ class StatsReply(_message.Message):
     prefetches: int
     prefetch_hits: int
     transport: str
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., jobs: _Optional[int] = ..., pinned_jobs: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    spilled: int
+    reloaded: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., jobs: _Optional[int] = ..., pinned_jobs: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., prefetches: _Optional[int] = ..., prefetch_hits: _Optional[int] = ..., transport: _Optional[str] = ..., spilled: _Optional[int] = ..., reloaded: _Optional[int] = ...) -> None: ...

@@ -224,3 +224,23 @@ def test_concurrent_puts_and_gets_keep_accounting_consistent():
     per_job = sum(store.stats(job_id=f"job{i}").used_bytes for i in range(6))
     assert per_job == s.used_bytes
     assert JobKey("acme", "job0") == key("job0").job
+
+
+def test_spill_tier_keeps_an_evicted_jobs_rows_in_real_redis(redis_db):
+    """LRU eviction writes the job's blocks to Redis; a later read reloads them byte-exact; the
+    tenant is part of the key; Release drops the spilled rows."""
+    from cachestore.spill import RedisSpill
+    spill = RedisSpill(redis_db, ttl_s=60)
+    store = BlockStore(12 * ROW_BYTES, spill=spill)
+    p, k, v = rows(8, seed=3)
+    store.put(key("a", layer=2, head=1), p, k, v)
+    store.put(key("b"), *rows(8, seed=4))                 # evicts a (least recently used)
+    assert not store.contains(key("a", layer=2, head=1)) and store.stats().spilled == 1
+    assert store.get(key("a", tenant="other", layer=2, head=1)) is None     # another tenant: nothing
+    got = store.get(key("a", layer=2, head=1), [0, 7, 3])                    # reloaded (evicting b)
+    assert torch.equal(got.k, k[[0, 7, 3]]) and torch.equal(got.v, v[[0, 7, 3]])
+    assert torch.equal(got.positions, p[[0, 7, 3]])
+    assert store.stats().reloaded == 1 and store.stats(tenant="acme").spilled == 2   # b went out in turn
+    store.release("acme", "a")
+    assert spill.load(key("a", layer=2, head=1)) is None and spill.load(key("b")) is not None
+    spill.close()
