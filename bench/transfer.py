@@ -3,7 +3,8 @@
 - memcpy: `dst.copy_(src)` of the K and V bytes in this process (the yardstick);
 - shm: the executor's read of a job's rows from the shared-memory segment by offset into its own
   buffer (what the `shm` transport does; the rows were written there the same way);
-- gRPC: the same rows through `GetStream`'s chunks over loopback (the `grpc` transport);
+- gRPC: the same rows through `GetStream`'s chunks over loopback into the same buffers (the
+  `grpc` transport);
 - prefetch: one decode step's gathers (30 layers × 3 KV heads × 32 rows × 64 dims, SmolLM2's
   shape), one-sided from the mapping and, for comparison, by the cachestore (`PrefetchLayer`).
 
@@ -71,7 +72,8 @@ def main(argv=None) -> None:
             remote.put(0, k[:, a:a + (1 << 16)], v[:, a:a + (1 << 16)])
         got = remote.read(0)
         assert torch.equal(got[0], k) and torch.equal(got[1], v)
-        grpc_s = timed(lambda: remote.read(0), args.repeats)
+        grpc_s = timed(lambda: remote.read_into(0, 0, dk[0], dv[0]), args.repeats)          # into the same buffers
+        assert torch.equal(dk, k) and torch.equal(dv, v)
         remote.release()
         shm.release()
 

@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import torch
 
+from cachestore import wire
 from cachestore.handle import Fetched, JobHandle, StoreUnavailable
 from cachestore.segment import Layout, Segment
 from cachestore.tensor_codec import DTYPES, NAMES, decode, encode
@@ -29,6 +30,7 @@ from protos import cachestore_pb2 as pb
 from protos import cachestore_pb2_grpc
 
 TRANSPORTS = ("auto", "shm", "grpc")
+GET_STREAM = "/kvplan.v1.CacheStore/GetStream"
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -167,6 +169,11 @@ class GrpcHandle(JobHandle):
         self.client, self.tenant, self.job_id, self.layout = client, tenant, job_id, layout
         self.rows = [0] * layout.layers
 
+    def read_into(self, layer: int, head: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One KV head's rows of `layer` streamed into k, v [N, D] (the bench's fair comparison
+        with a memcpy into a buffer that exists already)."""
+        self._stream(pb.GetRequest(key=self._key(layer, head)), (k, v))
+
     def _key(self, layer: int, head: int) -> pb.BlockKey:
         return pb.BlockKey(tenant=self.tenant, job_id=self.job_id, layer=layer, kv_head=head)
 
@@ -189,21 +196,26 @@ class GrpcHandle(JobHandle):
             vs.append(v)
         return torch.stack(ks), torch.stack(vs)                                  # [H, N, D]
 
-    def _stream(self, req: pb.GetRequest) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block's rows from `GetStream`'s chunks, each copied once into place -> k, v [N, D]."""
-        k = v = None
-        at = 0
+    def _stream(self, req: pb.GetRequest, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's rows from `GetStream`'s chunks (cachestore/wire.py), each payload copied
+        once, into place -> k, v [N, D] (into `out` when given: contiguous, of the block's shape)."""
+        call = self.client.channel.unary_stream(GET_STREAM, request_serializer=pb.GetRequest.SerializeToString,
+                                                response_deserializer=None)
         try:
-            for chunk in self.client.stub.GetStream(req, timeout=self.client.timeout_s):
-                if k is None:
-                    dtype = DTYPES[chunk.dtype]
-                    k = torch.empty(list(chunk.shape), dtype=dtype)
-                    v = torch.empty_like(k)
-                    kb, vb = k.view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)
-                n = len(chunk.k)
-                kb[at:at + n].numpy()[:] = np.frombuffer(chunk.k, dtype=np.uint8)     # one copy, into place
-                vb[at:at + n].numpy()[:] = np.frombuffer(chunk.v, dtype=np.uint8)
-                at += n
+            messages = iter(call(req, timeout=self.client.timeout_s))
+            head = pb.Chunk.FromString(next(messages))
+            shape, dtype = list(head.shape), DTYPES[head.dtype]
+            if out is not None and (list(out[0].shape) != shape or out[0].dtype != dtype):
+                raise ValueError(f"out: block is {head.dtype} {shape}, got {out[0].dtype} {list(out[0].shape)}")
+            k, v = out if out is not None else (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
+            flat = {wire.K_FIELD: k.view(-1).view(torch.uint8).numpy(), wire.V_FIELD: v.view(-1).view(torch.uint8).numpy()}
+            at = {wire.K_FIELD: 0, wire.V_FIELD: 0}
+            for message in messages:
+                field, data = wire.read_data_chunk(message)
+                n = len(data)
+                flat[field][at[field]:at[field] + n] = np.frombuffer(data, dtype=np.uint8)
+                at[field] += n
         except grpc.RpcError as e:
             raise _unavailable(e, "GetStream") from None
         return k, v

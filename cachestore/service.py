@@ -21,7 +21,8 @@ from cachestore.keys import BlockKey, JobKey
 from cachestore.segment import Layout, Segment, segment_name
 from cachestore.spill import RedisSpill
 from cachestore.store import BlockStore, CapacityError
-from cachestore.tensor_codec import decode, encode
+from cachestore import wire
+from cachestore.tensor_codec import NAMES, decode, encode
 from kvplan.config import CachestoreConfig
 from kvplan.serving import Service
 from protos import cachestore_pb2, cachestore_pb2_grpc
@@ -127,18 +128,14 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         return cachestore_pb2.PrefetchLayerReply(k=encode(torch.stack(ks)), v=encode(torch.stack(vs)))
 
     async def GetStream(self, request: cachestore_pb2.GetRequest, context):
+        """Yields wire-encoded `Chunk`s (cachestore/wire.py): shape and dtype, then K's bytes and
+        V's bytes in CHUNK_BYTES slices, each copied once from the store's rows."""
         rows = await self._rows(request, context)
-        k = rows.k.contiguous().view(torch.uint8).numpy()          # the store's bytes, no copy
-        v = rows.v.contiguous().view(torch.uint8).numpy()
-        dtype = str(rows.k.dtype).removeprefix("torch.")
-        per = CHUNK_BYTES // max(1, k.shape[1]) * k.shape[1] if k.ndim == 2 and k.shape[1] else CHUNK_BYTES
-        kb, vb = k.reshape(-1), v.reshape(-1)
-        for i, a in enumerate(range(0, max(1, kb.size), per)):
-            chunk = cachestore_pb2.Chunk(k=kb[a:a + per].tobytes(), v=vb[a:a + per].tobytes())
-            if i == 0:
-                chunk.shape.extend(rows.k.shape)
-                chunk.dtype = dtype
-            yield chunk
+        yield cachestore_pb2.Chunk(shape=list(rows.k.shape), dtype=NAMES[rows.k.dtype]).SerializeToString()
+        for field, t in ((wire.K_FIELD, rows.k), (wire.V_FIELD, rows.v)):
+            flat = t.contiguous().view(-1).view(torch.uint8).numpy()           # the store's bytes, no copy
+            for a in range(0, flat.size, CHUNK_BYTES):
+                yield wire.data_chunk(field, flat[a:a + CHUNK_BYTES])
 
     async def _rows(self, request: cachestore_pb2.GetRequest, context):
         """The rows a Get asks for; NOT_FOUND when there is no such block."""
@@ -237,6 +234,29 @@ def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Ser
     return Service(
         name="cachestore",
         full_names=[cachestore_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name],
-        register=lambda server: cachestore_pb2_grpc.add_CacheStoreServicer_to_server(servicer, server),
+        register=lambda server: register(server, servicer),
         stop=stop,
     )
+
+
+class _Captured:
+    """Stands in for a server to take the generated method handlers."""
+    handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def register(server: grpc.aio.Server, servicer: CachestoreServicer) -> None:
+    """The generated handlers, but `GetStream` sends the bytes it builds (`cachestore.wire`)."""
+    captured = _Captured()
+    cachestore_pb2_grpc.add_CacheStoreServicer_to_server(servicer, captured)
+    handlers = captured.handlers
+    handlers["GetStream"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetStream, request_deserializer=cachestore_pb2.GetRequest.FromString, response_serializer=None)
+    name = cachestore_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -93,8 +93,14 @@ def test_get_stream_carries_a_block_bigger_than_one_chunk(client, monkeypatch):
     h.put(0, k, v)
     got_k, got_v = h.read(0)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    # any gRPC client reads the hand-built chunks as Chunk messages: shape and dtype, then K, then V
     chunks = list(client.stub.GetStream(pb.GetRequest(key=pb.BlockKey(tenant="tt", job_id="big", layer=0, kv_head=0))))
-    assert len(chunks) == 13 and list(chunks[0].shape) == [50, D] and chunks[0].dtype == "float16"
+    assert len(chunks) == 1 + 13 + 13 and list(chunks[0].shape) == [50, D] and chunks[0].dtype == "float16"
+    assert b"".join(c.k for c in chunks) == k[0].numpy().tobytes()
+    assert b"".join(c.v for c in chunks) == v[0].numpy().tobytes()
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stub.GetStream(pb.GetRequest(key=pb.BlockKey(tenant="tt", job_id="nope", layer=0, kv_head=0))))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     h.release()
 
 
