@@ -122,11 +122,7 @@ class Harness:
             if i == n - 1:
                 break
             tok = int(logits.argmax()) if isinstance(forced, int) else forced[i]
-            if store is None:
-                logits = runner._forward([tok], pos, cache)
-            else:
-                guess = runner._predecode(tok, pos, cache) if guess is None else guess
-                logits, guess = runner._speculative_step(tok, guess, pos, cache, i + 1)
+            logits, guess = runner.decode_step(tok, pos, cache, i + 1, guess)
             pos += 1
         if store is not None:
             store.release()

@@ -162,12 +162,7 @@ class Runner:
             if cancelled():
                 finish = "cancelled"
                 break
-            if offload:
-                if guess is None:
-                    guess = self._predecode(tok, pos, cache)
-                logits, guess = self._speculative_step(tok, guess, pos, cache, steps + 1)
-            else:
-                logits = self._forward([tok], pos, cache)
+            logits, guess = self.decode_step(tok, pos, cache, steps + 1, guess)
             pos += 1
             steps += 1
         decode_s = time.perf_counter() - t1
@@ -209,6 +204,17 @@ class Runner:
             emit("progress", (done, total))
         cache.state.phase = "after"
         return logits
+
+    def decode_step(self, tok: int, pos: int, cache: PlannedCache, step: int, guess: int | None
+                    ) -> tuple[torch.Tensor, int | None]:
+        """Feed `tok` at `pos` (decode step `step`, from 1) -> (next-token logits [V], the next
+        guess). Offload plans decode speculatively (the first step starts the guess chain with
+        SpeCache's pre-decoding pass); other plans one token at a time (the guess stays None)."""
+        if not cache.plan.offload.enabled:
+            return self._forward([tok], pos, cache), None
+        if guess is None:
+            guess = self._predecode(tok, pos, cache)
+        return self._speculative_step(tok, guess, pos, cache, step)
 
     def _predecode(self, tok: int, pos: int, cache: PlannedCache) -> int:
         """SpeCache's pre-decoding: `tok` at `pos` over the low-bit copies, storing nothing; its
