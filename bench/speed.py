@@ -145,7 +145,7 @@ def cachestore_for_bench(h: Harness):
     with spawn() as (_, client):
         ids, lm = itertools.count(), h.lm
         yield lambda max_tokens: client.open("bench", f"speed-{next(ids)}", lm.num_layers, lm.num_kv_heads,
-                                             lm.head_dim, h.runner.storage_dtype, max_tokens, 64)
+                                             lm.head_dim, h.runner.storage_dtype, max_tokens, 64 * 4)   # top_k x rerank at most
 
 
 def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sample: float) -> dict:

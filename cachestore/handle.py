@@ -47,6 +47,20 @@ class Fetched:
     idx: torch.Tensor          # [H, k] int64 rows (= token positions) the rows are
     k: torch.Tensor            # [H, k, D] storage dtype
     v: torch.Tensor            # [H, k, D]
+    moved: int = 0             # bytes brought over for them (re-ranked candidates included); 0: k's and v's
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.moved or self.k.nbytes + self.v.nbytes
+
+    def rerank(self, query: torch.Tensor, keep: int) -> "Fetched":
+        """The `keep` rows per head of most attention from query [H, h_n, D] (pre-scaled; the
+        GQA group's mean of its softmax over these rows) -> [H, keep] rows, their bytes moved
+        still counting every candidate's."""
+        probs = torch.softmax(torch.einsum("ghd,gcd->ghc", query.float(), self.k.float()), dim=-1).mean(1)   # [H, C]
+        top = probs.topk(keep, dim=-1).indices                                                 # [H, keep]
+        rows = top.unsqueeze(-1).expand(-1, -1, self.k.shape[-1])                               # [H, keep, D]
+        return Fetched(self.idx.gather(1, top), self.k.gather(1, rows), self.v.gather(1, rows), self.bytes_moved)
 
 
 @dataclass
@@ -85,16 +99,26 @@ class JobHandle:
             self._fail(e)
             return None
 
-    def prefetch(self, layer: int, step: int, idx: torch.Tensor) -> None:
-        """Start gathering rows idx [H, k] (int64) of `layer` for the `take` of `step`."""
+    def prefetch(self, layer: int, step: int, idx: torch.Tensor, query: torch.Tensor | None = None,
+                 keep: int | None = None) -> None:
+        """Start gathering rows idx [H, k] (int64) of `layer` for the `take` of `step`. With a
+        `query` [H, h_n, D] (pre-scaled), idx are candidates: the prefetch thread keeps the `keep`
+        of them per head the query attends to most over their exact keys (`Fetched.rerank`)."""
         if self.failed:
             return
         idx = idx.to(torch.int64).contiguous()
         with self._lock:
             for key in [key for key in self._pending if key[0] == layer and key[1] < step]:
                 self._pending.pop(key).cancel()          # an older step's rows nobody took
-            self._pending[(layer, step)] = self._pool.submit(self._gather, layer, idx)
+            self._pending[(layer, step)] = self._pool.submit(self._fetch, layer, idx, query, keep)
         self.stats.prefetches += 1
+
+    def _fetch(self, layer: int, idx: torch.Tensor, query: torch.Tensor | None, keep: int | None) -> Fetched:
+        """On the prefetch thread: the rows, re-ranked when a query came with them."""
+        got = self._gather(layer, idx)
+        if query is None or keep is None or keep >= idx.shape[1]:
+            return got
+        return got.rerank(query, keep)
 
     def take(self, layer: int, step: int, wait_s: float) -> Fetched | None:
         """The rows prefetched for (layer, step) if they arrive within `wait_s`, else None."""
@@ -122,7 +146,7 @@ class JobHandle:
             return None
         fetched = fut.result()
         self.stats.in_time += 1
-        self.stats.bytes_fetched += fetched.k.nbytes + fetched.v.nbytes
+        self.stats.bytes_fetched += fetched.bytes_moved
         return fetched
 
     def release(self) -> None:

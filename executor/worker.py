@@ -187,7 +187,8 @@ class Worker:
         try:
             return await asyncio.to_thread(
                 self.cachestore.open, req.tenant or "default", claim.job_id, lm.num_layers, lm.num_kv_heads,
-                lm.head_dim, self.runner.storage_dtype, max_tokens, plan.offload.top_k)
+                lm.head_dim, self.runner.storage_dtype, max_tokens,
+                plan.offload.top_k * max(plan.offload.rerank, 1))        # a prefetch's candidates
         except StoreUnavailable as e:
             log.warning("job %s: cachestore unavailable (%s); running on the low-bit copy, degraded", claim.job_id, e)
             return Unavailable(str(e))
@@ -233,7 +234,7 @@ def _offload_stats(report: dict | None) -> pb.OffloadStats | None:
         transport=report["transport"], low_bits=part["low_bits"], group_size=part["group_size"], top_k=part["top_k"],
         recent_window=part["recent_window"], host_kv_bytes=st["bytes_put"], prefetches=st["prefetches"],
         in_time=st["in_time"], late=st["late"], bytes_fetched=st["bytes_fetched"], stall_s=st["stall_s"],
-        error=report["error"])
+        error=report["error"], rerank=part["rerank"])
 
 
 def _budget_ratio(budget: pb.Budget, prompt_tokens: int) -> float | None:

@@ -236,10 +236,10 @@ def unpack_dequantize_reference(
     group_size: int,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:          # [N, L] out_dtype
-    """What the kernel computes, in plain torch: each byte's P codes from a [256, P] table, then
-    code * scale + zero per group."""
+    """What the kernel computes, in plain torch: each byte's P codes from a [256, P] table (an
+    embedding lookup: ~3x faster on CPU than indexing the table), then code * scale + zero per group."""
     n = codes.shape[0]
-    q = _code_table(bits, codes.device)[codes.long()]                             # [N, L / P, P] fp32
+    q = torch.nn.functional.embedding(codes.int(), _code_table(bits, codes.device))   # [N, L / P, P] fp32
     q = q.view(n, scale.shape[1], group_size)                                    # [N, G, g]
     x = torch.addcmul(zero.float()[..., None], q, scale.float()[..., None])
     return x.view(n, scale.shape[1] * group_size).to(out_dtype)

@@ -87,6 +87,7 @@ class OffloadPlan:
     recent_window: int = 32
     sink_tokens: int = 4
     value_group_size: int = 64     # channels sharing a value scale (keys: group_size tokens per channel)
+    rerank: int = 4                # prefetch: rerank x top_k low-bit candidates, re-ranked by exact keys (1: SpeCache's own)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ class OffloadPart:
     recent_window: int = 64
     sink_tokens: int = 0
     value_group_size: int = 64
+    rerank: int = 4
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class LayerPlan(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., codebook: _Optional[_Union[Codebook, _Mapping]] = ..., merge: _Optional[_Union[Merge, _Mapping]] = ..., quant: _Optional[_Union[Quant, _Mapping]] = ...) -> None: ...
 
 class OffloadPlan(_message.Message):
-    __slots__ = ("enabled", "low_bits", "group_size", "top_k", "recent_window", "sink_tokens", "value_group_size")
+    __slots__ = ("enabled", "low_bits", "group_size", "top_k", "recent_window", "sink_tokens", "value_group_size", "rerank")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     LOW_BITS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class OffloadPlan(_message.Message):
     RECENT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VALUE_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RERANK_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     low_bits: int
     group_size: int
@@ -98,7 +99,8 @@ class OffloadPlan(_message.Message):
     recent_window: int
     sink_tokens: int
     value_group_size: int
-    def __init__(self, enabled: _Optional[bool] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., value_group_size: _Optional[int] = ...) -> None: ...
+    rerank: int
+    def __init__(self, enabled: _Optional[bool] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., value_group_size: _Optional[int] = ..., rerank: _Optional[int] = ...) -> None: ...
 
 class CompressionPlan(_message.Message):
     __slots__ = ("plan_id", "strategy", "strategy_version", "model_fingerprint", "layers", "offload", "predicted_reserve_ratio", "predicted_retained_attention")

@@ -110,7 +110,7 @@ class JobResult(_message.Message):
     def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ...) -> None: ...
 
 class OffloadStats(_message.Message):
-    __slots__ = ("transport", "low_bits", "group_size", "top_k", "recent_window", "host_kv_bytes", "prefetches", "in_time", "late", "bytes_fetched", "stall_s", "error")
+    __slots__ = ("transport", "low_bits", "group_size", "top_k", "recent_window", "host_kv_bytes", "prefetches", "in_time", "late", "bytes_fetched", "stall_s", "error", "rerank")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LOW_BITS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class OffloadStats(_message.Message):
     BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
     STALL_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RERANK_FIELD_NUMBER: _ClassVar[int]
     transport: str
     low_bits: int
     group_size: int
@@ -135,7 +136,8 @@ class OffloadStats(_message.Message):
     bytes_fetched: int
     stall_s: float
     error: str
-    def __init__(self, transport: _Optional[str] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., host_kv_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., in_time: _Optional[int] = ..., late: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., stall_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    rerank: int
+    def __init__(self, transport: _Optional[str] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., host_kv_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., in_time: _Optional[int] = ..., late: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., stall_s: _Optional[float] = ..., error: _Optional[str] = ..., rerank: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "state", "executor_id", "attempts", "generated_tokens", "error", "result", "submitted_at")

@@ -13,8 +13,10 @@ head prefetched for the current decode step.
     "spec" step t       the real token (position N) and the speculative one (N+1) attend over
                         the low-bit copy with the rows prefetched for step t put in place of
                         theirs; the speculative row's attention, averaged over each KV group,
-                        picks the top-k rows for step t+1, prefetched right away; only the real
-                        token's K/V is stored
+                        picks the rows for step t+1, prefetched right away: its top rerank·k
+                        over the low-bit keys, narrowed on the prefetch thread to the k its
+                        query attends to most over their exact keys (`rerank` 1: the top-k of
+                        the low-bit scores, as published); only the real token's K/V is stored
 A layer whose store has failed (`store.failed`) goes on with its low-bit copy alone.
 
 Shapes: H query heads, H_kv KV heads, h_n = H / H_kv, Tq new tokens, Q quantized rows, D head dim."""
@@ -132,16 +134,25 @@ class OffloadLayer(FullLayer):
             state.recall.append(self._recall(qg[:, :, 0], nk[:, :1], fetched.idx, scaling))
         if commit:
             self._commit(nk[:, :1], nv[:, :1])
-        self._select(probs[:, :, -1].mean(1), state.step + 1)     # after the commit: over next step's low-bit rows
+        self._select(probs[:, :, -1].mean(1), qg[:, :, -1] * scaling, state.step + 1)   # after the commit
         return out.reshape(-1, tq, d).transpose(0, 1)[None].contiguous()
 
-    def _select(self, scores: torch.Tensor, step: int) -> None:
-        """scores: [H_kv, L] a query's attention (group mean); prefetch the top-k candidates —
-        positions with a low-bit key or value at the next step, sinks excepted — for `step`."""
+    def _select(self, scores: torch.Tensor, query: torch.Tensor, step: int) -> None:
+        """scores: [H_kv, L] a query's attention over the low-bit copy (group mean); query:
+        [H_kv, h_n, D] that query, pre-scaled. Prefetch for `step` the top-k of the positions
+        with a low-bit key or value at the next step (sinks excepted): SpeCache's top-k of the
+        low-bit scores when `rerank` <= 1, else their top rerank·k, which the prefetch thread
+        narrows to the k of most attention over the exact keys — so a 2-bit key's error costs
+        a row only when it pushes the row out of the wider set."""
         s, qn = self.sink_k.shape[1], self.low.quantized
         kk = min(self.off.top_k, qn - s)
-        if kk > 0:
-            idx = scores[:, s:qn].topk(kk, dim=-1).indices + s                # [H_kv, k]
+        if kk <= 0:
+            return
+        wide = min(kk * max(self.off.rerank, 1), qn - s)
+        idx = scores[:, s:qn].topk(wide, dim=-1).indices + s                  # [H_kv, wide]
+        if wide > kk:
+            self.store.prefetch(self.plan.layer, step, idx, query.contiguous(), kk)
+        else:
             self.store.prefetch(self.plan.layer, step, idx)
 
     def _recall(self, q0: torch.Tensor, k0: torch.Tensor, fetched: torch.Tensor, scaling: float) -> tuple[float, float]:

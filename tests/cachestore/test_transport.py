@@ -12,7 +12,7 @@ import torch
 
 from cachestore import service as cs_service
 from cachestore.client import CachestoreClient
-from cachestore.handle import StoreUnavailable
+from cachestore.handle import LocalHandle, StoreUnavailable
 from cachestore.segment import leftovers
 from cachestore.service import build_service
 from kvplan.config import CachestoreConfig
@@ -83,6 +83,33 @@ def test_rows_round_trip_and_prefetch_brings_exactly_the_asked_rows(client, tran
     assert h.stats.in_time == 1 and h.stats.bytes_fetched == 2 * H * K * D * 2 and not h.failed
     h.release()
     assert not h.failed and mine() == []
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc", "local"])
+def test_a_prefetch_with_a_query_keeps_the_candidates_it_attends_to_most(client, transport):
+    """Re-ranked prefetch: 8 candidates per head go over, the 2 of most attention (group mean of
+    the softmax over the candidates' exact keys) come back; the bytes moved count all 8."""
+    if transport == "local":
+        h = LocalHandle()
+    else:
+        client.transport = transport
+        h = client.open("tt", f"r-{transport}", 1, H, D, torch.float16, CAP, 8)
+    k, v = rows(12, seed=3)
+    h.put(0, k, v)
+    cand = torch.stack([torch.randperm(12, generator=torch.Generator().manual_seed(s))[:8] for s in range(H)])  # [H, 8]
+    query = torch.randn(H, 2, D, generator=torch.Generator().manual_seed(7))                          # [H, h_n, D]
+    h.prefetch(0, 1, cand, query, keep=2)
+    f = h.take(0, 1, wait_s=5.0)
+    ck = torch.gather(k, 1, cand[..., None].expand(-1, -1, D)).float()                              # [H, 8, D]
+    probs = torch.softmax(torch.einsum("ghd,gcd->ghc", query, ck), dim=-1).mean(1)                  # [H, 8]
+    best = cand.gather(1, probs.topk(2, dim=-1).indices)                                           # [H, 2]
+    assert torch.equal(f.idx, best)
+    assert torch.equal(f.k, torch.gather(k, 1, best[..., None].expand(-1, -1, D)))
+    assert torch.equal(f.v, torch.gather(v, 1, best[..., None].expand(-1, -1, D)))
+    assert h.stats.bytes_fetched == 2 * H * 8 * D * 2                   # every candidate's K and V moved
+    h.prefetch(0, 2, cand, query, keep=8)                               # keep all: nothing to re-rank
+    assert torch.equal(h.take(0, 2, wait_s=5.0).idx, cand)
+    h.release()
 
 
 def test_get_stream_carries_a_block_bigger_than_one_chunk(client, monkeypatch):

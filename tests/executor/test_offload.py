@@ -96,6 +96,31 @@ def test_offload_bytes_are_the_tensors_held_and_fit_the_budget(tiny_model):
     assert layer.keys is None                                     # the dense copy is gone
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("rerank", [1, 32])
+def test_the_prefetch_takes_the_low_bit_top_k_or_re_ranks_candidates_by_exact_keys(tiny_model, rerank):
+    """rerank 1 (SpeCache as published): the top-k of the low-bit scores. rerank 32: all 71
+    quantized rows are candidates, so the rows brought are the query's top-k over the exact keys
+    whatever the low-bit scores say."""
+    runner, store = Runner(tiny_model, torch.float16), LocalHandle()
+    plan = offload_plan(tiny_model.num_layers, top_k=4, rerank=rerank)
+    cache = runner.new_cache(runner.fit(plan, PROMPT, Sampling(4), None), store)
+    runner._prefill(PROMPT, cache, lambda *a: None, lambda: False)
+    layer, hk, d = cache.layers[1], tiny_model.num_kv_heads, tiny_model.head_dim
+    hn = tiny_model.num_query_heads // hk
+    g = torch.Generator().manual_seed(5)
+    scores, query = torch.rand(hk, 71, generator=g), torch.randn(hk, hn, d, generator=g)   # [H_kv, L], [H_kv, h_n, D]
+    layer._select(scores, query, step=3)
+    got = store.take(1, 3, wait_s=5.0).idx.sort(-1).values                                  # [H_kv, 4]
+    if rerank == 1:
+        expect = scores.topk(4, dim=-1).indices
+    else:
+        keys = store.read(1)[0].float()                                                     # [H_kv, 71, D] exact
+        expect = torch.softmax(torch.einsum("ghd,gld->ghl", query, keys), dim=-1).mean(1).topk(4, dim=-1).indices
+    assert torch.equal(got, expect.sort(-1).values)
+    store.release()
+
+
 def test_budget_fit_prefers_wider_prefetch_then_window():
     off = OffloadPlan(enabled=True, low_bits=2, group_size=32, top_k=64, recent_window=64)
     roomy = offload_budget.fit(off, 0.5, 4096, 32, 64)
