@@ -14,6 +14,7 @@ import torch
 from kernels import codebook, gather, quant, ragged_attention, rope_reconstruct, slerp
 from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels import hamming
+from kernels import lowbit_qk as lowbit
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -232,3 +233,18 @@ def hamming_distance(
     if use_triton(bits, anchor):
         return hamming.hamming_distance_triton(_rows(bits), anchor.contiguous())
     return hamming.hamming_distance_reference(bits, anchor)
+
+
+def lowbit_scores(
+    q: torch.Tensor,        # [H, R, D] fp16/bf16/fp32: R query rows per KV head
+    k_codes: torch.Tensor,  # [H, n, D, B] uint8: keys per channel in groups of g = B·8/bits tokens
+    k_scale: torch.Tensor,  # [H, n, D] fp16
+    k_zero: torch.Tensor,   # [H, n, D] fp16
+    bits: int,
+) -> torch.Tensor:          # [H, R, n·g] fp32
+    """q · dequant(K)ᵀ straight from the packed keys (SpeCache's approximate scores); see
+    `kernels.lowbit_qk`. Raises ValueError naming a bad argument."""
+    lowbit.check_scores_args(q, k_codes, k_scale, k_zero, bits)
+    if use_triton(q, k_codes, k_scale, k_zero):
+        return lowbit.lowbit_scores_triton(q, k_codes, k_scale, k_zero, bits)
+    return lowbit.lowbit_scores_reference(q, k_codes, k_scale, k_zero, bits)

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kernels import quantize_pack, unpack_dequantize
+from kernels import lowbit_scores, quantize_pack, unpack_dequantize
 
 
 def _quantize(x: torch.Tensor, bits: int, group: int):
@@ -47,6 +47,7 @@ class LowBitKV:
         self.v_scale = torch.empty(h, 0, d // self.v_group, dtype=torch.float16, device=dev)   # [H, Qv, D/g_v]
         self.v_zero = torch.empty(h, 0, d // self.v_group, dtype=torch.float16, device=dev)
         self.pads: list[tuple[int, int]] = []     # (key group, valid rows) of padded key groups
+        self._columns: tuple[int, torch.Tensor] | None = None      # (key groups, their valid score columns)
         self.k_rows = 0                           # Qk: keys in low-bit form
         self.k_tail, self.v_tail = k.to(dtype), v.to(dtype)                                   # [H, N - Qk|Qv, D]
         self._quantize_values()
@@ -125,15 +126,45 @@ class LowBitKV:
             else:
                 k_out[:, at:at + valid].copy_(part[:, 0, :valid])
                 at += valid
-        v_out[:, :qv].copy_(unpack_dequantize(self.v_codes.reshape(h * qv, -1), self.v_scale.reshape(h * qv, -1),
-                                              self.v_zero.reshape(h * qv, -1), self.bits, self.v_group,
-                                              dtype).view(h, qv, d))
         k_out[:, qk:qk + self.tail] = self.k_tail
-        v_out[:, qv:qv + self.v_tail.shape[1]] = self.v_tail
         if k_new is not None:
             k_out[:, qk + self.tail:] = k_new
-            v_out[:, qv + self.v_tail.shape[1]:] = v_new
+        self._values_into(v_out, v_new)
         return k_out, v_out
+
+    def values(self, dtype: torch.dtype, v_new: torch.Tensor | None = None) -> torch.Tensor:
+        """-> V [H, N (+ T), D] of every position in `dtype` (then v_new [H, T, D] when given)."""
+        h, qv, d = self.v_codes.shape[0], self.v_codes.shape[1], self.v_tail.shape[2]
+        total = qv + self.v_tail.shape[1] + (0 if v_new is None else v_new.shape[1])
+        return self._values_into(torch.empty(h, total, d, dtype=dtype, device=self.v_tail.device), v_new)
+
+    def _values_into(self, v_out: torch.Tensor, v_new: torch.Tensor | None) -> torch.Tensor:
+        h, qv, d = v_out.shape[0], self.v_codes.shape[1], v_out.shape[2]
+        v_out[:, :qv].copy_(unpack_dequantize(self.v_codes.reshape(h * qv, -1), self.v_scale.reshape(h * qv, -1),
+                                              self.v_zero.reshape(h * qv, -1), self.bits, self.v_group,
+                                              v_out.dtype).view(h, qv, d))
+        v_out[:, qv:qv + self.v_tail.shape[1]] = self.v_tail
+        if v_new is not None:
+            v_out[:, qv + self.v_tail.shape[1]:] = v_new
+        return v_out
+
+    def key_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q: [H, R, D] -> q · K [H, R, N] fp32 over every stored position: the low-bit keys'
+        scores straight from their codes (`kernels.lowbit_scores`, no dequantized copy), then
+        the tail's."""
+        scores = lowbit_scores(q, self.k_codes, self.k_scale, self.k_zero, self.bits)     # [H, R, n·g]
+        if self.pads:
+            scores = scores.index_select(-1, self._valid_columns())                      # [H, R, Qk]
+        tail = torch.einsum("hrd,hld->hrl", q.float(), self.k_tail.float())              # [H, R, N - Qk]
+        return torch.cat([scores, tail], dim=-1)
+
+    def _valid_columns(self) -> torch.Tensor:
+        """[Qk] the columns of `lowbit_scores`' n·g that are stored rows (padded rows left out)."""
+        n, g = self.k_codes.shape[1], self.group
+        if self._columns is None or self._columns[0] != n:
+            cols = [torch.arange(a * g, (b * g if valid is None else a * g + valid)) for a, b, valid in self._key_runs(n)]
+            self._columns = (n, torch.cat(cols) if cols else torch.empty(0, dtype=torch.long))
+        return self._columns[1]
 
     def _key_runs(self, n: int) -> list[tuple[int, int, int | None]]:
         """(first group, end group, valid rows of a padded group or None) covering n key groups."""

@@ -113,6 +113,28 @@ class OffloadLayer(FullLayer):
             v.scatter_(1, idx, fetched.v.to(dtype))
         return k, v
 
+    def _scores(self, q: torch.Tensor, fetched, new_k: torch.Tensor) -> torch.Tensor:
+        """q: [H_kv, R, D] -> q · K [H_kv, R, N + Tq] fp32 over every stored position then the
+        new rows new_k [H_kv, Tq, D]: low-bit keys scored from their codes, the sinks' and the
+        prefetched rows' scores exact (the scores of `_lowbit`'s K, without dequantizing it)."""
+        scores = self.low.key_scores(q)                                      # [H_kv, R, N]
+        s = self.sink_k.shape[1]
+        if s:
+            scores[:, :, :s] = torch.einsum("hrd,hsd->hrs", q.float(), self.sink_k.float())
+        if fetched is not None:
+            exact = torch.einsum("hrd,hkd->hrk", q.float(), fetched.k.float())                # [H_kv, R, k]
+            scores.scatter_(2, fetched.idx.unsqueeze(1).expand(-1, q.shape[1], -1), exact)
+        return torch.cat([scores, torch.einsum("hrd,htd->hrt", q.float(), new_k.float())], dim=-1)
+
+    def _values(self, dtype: torch.dtype, fetched, new_v: torch.Tensor) -> torch.Tensor:
+        """V [H_kv, N + Tq, D]: `_lowbit`'s values (sinks and prefetched rows exact), then new_v."""
+        v = self.low.values(dtype, new_v)
+        s = self.sink_v.shape[1]
+        v[:, :s] = self.sink_v
+        if fetched is not None:
+            v.scatter_(1, fetched.idx.unsqueeze(-1).expand(-1, -1, v.shape[-1]), fetched.v.to(dtype))
+        return v
+
     def _speculate(self, q: torch.Tensor, scaling: float, commit: bool) -> torch.Tensor:
         """Mixed attention (Eq. 1) and the next step's top-k from the last query row."""
         state, layer = self.ctx.state, self.plan.layer
@@ -122,10 +144,10 @@ class OffloadLayer(FullLayer):
             kk = fetched.idx.shape[1]
             self.buf_k[:, :kk], self.buf_v[:, :kk] = fetched.k, fetched.v
             self.buf_idx[:, :kk] = fetched.idx.to(self.buf_idx.dtype)
-        k, v = self._lowbit(q.dtype, fetched, (nk, nv))                     # [H_kv, L = N + Tq, D]
         hk, tq, d = nk.shape
         qg = q[0].view(hk, -1, tq, d)                                        # [H_kv, h_n, Tq, D]
-        logits = torch.einsum("ghtd,gld->ghtl", qg, k) * scaling             # [H_kv, h_n, Tq, L]
+        logits = self._scores(qg.reshape(hk, -1, d), fetched, nk).view(*qg.shape[:3], -1) * scaling   # [H_kv, h_n, Tq, L = N + Tq]
+        v = self._values(q.dtype, fetched, nv)                               # [H_kv, L, D]
         if tq == 2:
             logits[:, :, 0, -1] = float("-inf")                              # the real token cannot see the guess
         probs = torch.softmax(logits.float(), dim=-1)

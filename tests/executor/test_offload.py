@@ -121,6 +121,29 @@ def test_the_prefetch_takes_the_low_bit_top_k_or_re_ranks_candidates_by_exact_ke
     store.release()
 
 
+@torch.inference_mode()
+def test_decode_scores_from_the_codes_equal_scores_over_the_dequantized_rows(tiny_model):
+    """A decode step scores the low-bit keys straight from their codes (`kernels.lowbit_scores`):
+    with sinks, a padded key group (71 = 2·32 + 7 prompt rows, window 4) and prefetched rows put
+    in place, the scores and values equal those over `_lowbit`'s dequantized K and V."""
+    from cachestore.handle import Fetched
+    runner, store = Runner(tiny_model, torch.float16), LocalHandle()
+    plan = offload_plan(tiny_model.num_layers, top_k=8, sink_tokens=2, recent_window=4)
+    cache = runner.new_cache(runner.fit(plan, PROMPT, Sampling(4), None), store)
+    runner._prefill(PROMPT, cache, lambda *a: None, lambda: False)
+    layer, hk, d = cache.layers[1], tiny_model.num_kv_heads, tiny_model.head_dim
+    assert layer.low.pads, "the case needs a padded key group"
+    g = torch.Generator().manual_seed(9)
+    q, nk, nv = torch.randn(hk, 6, d, generator=g), torch.randn(hk, 2, d, generator=g), torch.randn(hk, 2, d, generator=g)
+    idx = torch.stack([torch.randperm(60, generator=g)[:8] + 2 for _ in range(hk)])             # [H_kv, 8]
+    k_all, v_all = store.read(1)
+    fetched = Fetched(idx, k_all.gather(1, idx[..., None].expand(-1, -1, d)), v_all.gather(1, idx[..., None].expand(-1, -1, d)))
+    k, v = layer._lowbit(torch.float32, fetched, (nk, nv))                                       # [H_kv, 73, D]
+    assert torch.allclose(layer._scores(q, fetched, nk), torch.einsum("hrd,hld->hrl", q, k), atol=1e-4)
+    assert torch.equal(layer._values(torch.float32, fetched, nv), v)
+    store.release()
+
+
 def test_budget_fit_prefers_wider_prefetch_then_window():
     off = OffloadPlan(enabled=True, low_bits=2, group_size=32, top_k=64, recent_window=64)
     roomy = offload_budget.fit(off, 0.5, 4096, 32, 64)
