@@ -106,14 +106,12 @@ class LowBitKV:
         self.v_zero = torch.cat([self.v_zero, zero.view(h, m, -1)], dim=1)
         self.v_tail = self.v_tail[:, m:].clone()
 
-    def rows(self, dtype: torch.dtype, k_new: torch.Tensor | None = None,
-             v_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> K, V [H, N (+ T), D] of every position in `dtype`: dequantized rows, then the tails,
-        then k_new / v_new [H, T, D] when given — each row written once into one buffer."""
+    def rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> K, V [H, N, D] of every position in `dtype`: dequantized rows, then the tails, each
+        row written once into one buffer (decode scores keys from their codes: `key_scores`)."""
         h, n, d, kb = self.k_codes.shape
-        g, qk, qv = self.group, self.k_rows, self.v_codes.shape[1]
-        total = qk + self.tail + (0 if k_new is None else k_new.shape[1])
-        k_out = torch.empty(h, total, d, dtype=dtype, device=self.k_tail.device)
+        g, qk = self.group, self.k_rows
+        k_out = torch.empty(h, qk + self.tail, d, dtype=dtype, device=self.k_tail.device)
         v_out = torch.empty_like(k_out)
         k = unpack_dequantize(self.k_codes.reshape(h * n * d, kb), self.k_scale.reshape(-1, 1),
                               self.k_zero.reshape(-1, 1), self.bits, g, dtype).view(h, n, d, g)   # [H, n, D, g]
@@ -126,10 +124,8 @@ class LowBitKV:
             else:
                 k_out[:, at:at + valid].copy_(part[:, 0, :valid])
                 at += valid
-        k_out[:, qk:qk + self.tail] = self.k_tail
-        if k_new is not None:
-            k_out[:, qk + self.tail:] = k_new
-        self._values_into(v_out, v_new)
+        k_out[:, qk:] = self.k_tail
+        self._values_into(v_out, None)
         return k_out, v_out
 
     def values(self, dtype: torch.dtype, v_new: torch.Tensor | None = None) -> torch.Tensor:

@@ -101,22 +101,18 @@ class OffloadLayer(FullLayer):
         return out
 
     # -- decode ----------------------------------------------------------------------------------
-    def _lowbit(self, dtype: torch.dtype, fetched=None, new=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [H_kv, N (+ Tq), D] of every stored position — the low-bit copy's rows with the
-        sinks and the prefetched rows exact — then `new` (k, v [H_kv, Tq, D]) when given."""
-        k, v = self.low.rows(dtype, *(new or (None, None)))                  # [H_kv, N (+ Tq), D]
+    def _lowbit(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [H_kv, N, D] of every stored position: the low-bit copy's rows, the sinks exact."""
+        k, v = self.low.rows(dtype)                                          # [H_kv, N, D]
         s = self.sink_k.shape[1]
         k[:, :s], v[:, :s] = self.sink_k, self.sink_v
-        if fetched is not None:
-            idx = fetched.idx.unsqueeze(-1).expand(-1, -1, k.shape[-1])     # [H_kv, k, D]
-            k.scatter_(1, idx, fetched.k.to(dtype))
-            v.scatter_(1, idx, fetched.v.to(dtype))
         return k, v
 
     def _scores(self, q: torch.Tensor, fetched, new_k: torch.Tensor) -> torch.Tensor:
         """q: [H_kv, R, D] -> q · K [H_kv, R, N + Tq] fp32 over every stored position then the
         new rows new_k [H_kv, Tq, D]: low-bit keys scored from their codes, the sinks' and the
-        prefetched rows' scores exact (the scores of `_lowbit`'s K, without dequantizing it)."""
+        prefetched rows' scores exact (what `_lowbit`'s K with the prefetched rows put in place
+        would score, without dequantizing it)."""
         scores = self.low.key_scores(q)                                      # [H_kv, R, N]
         s = self.sink_k.shape[1]
         if s:
@@ -127,7 +123,7 @@ class OffloadLayer(FullLayer):
         return torch.cat([scores, torch.einsum("hrd,htd->hrt", q.float(), new_k.float())], dim=-1)
 
     def _values(self, dtype: torch.dtype, fetched, new_v: torch.Tensor) -> torch.Tensor:
-        """V [H_kv, N + Tq, D]: `_lowbit`'s values (sinks and prefetched rows exact), then new_v."""
+        """V [H_kv, N + Tq, D]: `_lowbit`'s values with the prefetched rows put in place, then new_v."""
         v = self.low.values(dtype, new_v)
         s = self.sink_v.shape[1]
         v[:, :s] = self.sink_v

@@ -138,7 +138,10 @@ def test_decode_scores_from_the_codes_equal_scores_over_the_dequantized_rows(tin
     idx = torch.stack([torch.randperm(60, generator=g)[:8] + 2 for _ in range(hk)])             # [H_kv, 8]
     k_all, v_all = store.read(1)
     fetched = Fetched(idx, k_all.gather(1, idx[..., None].expand(-1, -1, d)), v_all.gather(1, idx[..., None].expand(-1, -1, d)))
-    k, v = layer._lowbit(torch.float32, fetched, (nk, nv))                                       # [H_kv, 73, D]
+    k, v = layer._lowbit(torch.float32)                                                          # [H_kv, 71, D]
+    k.scatter_(1, idx[..., None].expand(-1, -1, d), fetched.k.float())
+    v.scatter_(1, idx[..., None].expand(-1, -1, d), fetched.v.float())
+    k, v = torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)                                # [H_kv, 73, D]
     assert torch.allclose(layer._scores(q, fetched, nk), torch.einsum("hrd,hld->hrl", q, k), atol=1e-4)
     assert torch.equal(layer._values(torch.float32, fetched, nv), v)
     store.release()
