@@ -187,8 +187,7 @@ class Worker:
         try:
             return await asyncio.to_thread(
                 self.cachestore.open, req.tenant or "default", claim.job_id, lm.num_layers, lm.num_kv_heads,
-                lm.head_dim, self.runner.storage_dtype, max_tokens,
-                plan.offload.top_k * max(plan.offload.rerank, 1))        # a prefetch's candidates
+                lm.head_dim, self.runner.storage_dtype, max_tokens, plan.offload.candidates)
         except StoreUnavailable as e:
             log.warning("job %s: cachestore unavailable (%s); running on the low-bit copy, degraded", claim.job_id, e)
             return Unavailable(str(e))

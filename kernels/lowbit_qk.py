@@ -121,8 +121,9 @@ def lowbit_scores_reference(
     bits: int,
 ) -> torch.Tensor:          # [H, R, n·g] fp32
     """What the kernel computes, in plain torch: the codes unpacked once (an embedding lookup of
-    a [256, P] table) and one batched matmul per (head, group) with the scale-folded query."""
-    g = check_scores_args(q, codes, scale, zero, bits)
+    a [256, P] table) and one batched matmul per (head, group) with the scale-folded query.
+    Arguments as `check_scores_args` accepts them (the dispatch checks; not again here)."""
+    g = codes.shape[3] * per_byte(bits)
     h, r, d = q.shape
     n = codes.shape[1]
     qf = q.float()

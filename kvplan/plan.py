@@ -89,6 +89,11 @@ class OffloadPlan:
     value_group_size: int = 64     # channels sharing a value scale (keys: group_size tokens per channel)
     rerank: int = 4                # prefetch: rerank x top_k low-bit candidates, re-ranked by exact keys (1: SpeCache's own)
 
+    @property
+    def candidates(self) -> int:
+        """Rows per KV head a prefetch gathers: top_k, times `rerank` when it re-ranks (> 1)."""
+        return self.top_k * max(self.rerank, 1)
+
 
 @dataclass(frozen=True)
 class CompressionPlan:

@@ -112,7 +112,7 @@ def table(plan: CompressionPlan, prompt_tokens: int) -> str:
     if off.enabled:
         rows.append(f"offload (SpeCache; plain layers): {off.low_bits}-bit copy, keys per {off.group_size} tokens, "
                     f"values per {off.value_group_size} channels, window {off.recent_window}, top-k {off.top_k} "
-                    f"(re-ranked from {off.top_k * max(off.rerank, 1)} candidates), sinks {off.sink_tokens}; the executor fits these to the job's budget")
+                    f"(re-ranked from {off.candidates} candidates), sinks {off.sink_tokens}; the executor fits these to the job's budget")
     return "\n".join([head, *rows])
 
 

@@ -30,6 +30,7 @@ kept tokens receive, window and sinks included.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,7 +96,7 @@ class Composed:
         o = self.d.offload
         if o is None:
             return OffloadPlan()
-        part = OffloadPlan(True, o.low_bits, o.group_size, o.top_k, o.recent_window, o.sink_tokens, o.value_group_size, o.rerank)
+        part = OffloadPlan(enabled=True, **dataclasses.asdict(o))
         return offload_budget.fit(part, inp.target_ratio, inp.prompt_tokens, 0, inp.model.head_dim)
 
     def budgets(self, inp: PlanInput) -> Budgets:

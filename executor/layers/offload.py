@@ -168,10 +168,7 @@ class OffloadLayer(FullLayer):
             return
         wide = min(kk * max(self.off.rerank, 1), qn - s)
         idx = scores[:, s:qn].topk(wide, dim=-1).indices + s                  # [H_kv, wide]
-        if wide > kk:
-            self.store.prefetch(self.plan.layer, step, idx, query.contiguous(), kk)
-        else:
-            self.store.prefetch(self.plan.layer, step, idx)
+        self.store.prefetch(self.plan.layer, step, idx, query.contiguous(), kk)   # re-ranked when wide > k
 
     def _recall(self, q0: torch.Tensor, k0: torch.Tensor, fetched: torch.Tensor, scaling: float) -> tuple[float, float]:
         """How much of the oracle top-k (the real token's attention over the exact keys) the
