@@ -179,19 +179,22 @@ def quantize_pack(
     bits: int,              # 1, 2, 4 or 8
     group_size: int,        # g, a multiple of 8 / bits
     midpoint: bool = False,  # 1 bit only: SpeCache's midpoint levels instead of min / max
+    refine: int = 0,        # least-squares refits of each group's scale and zero (0: min/max as they are)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # codes [N, L * bits / 8] uint8, scale, zero [N, G] fp16
     """Per group of g consecutive elements of a row: asymmetric min/max quantization, codes
     packed 8 / bits to a byte (see `kernels.quant`)."""
     if midpoint and bits != 1:
         raise ValueError(f"midpoint quantization is 1-bit only, got bits={bits}")
+    if isinstance(refine, bool) or not isinstance(refine, int) or not 0 <= refine <= quant.MAX_REFINE:
+        raise ValueError(f"refine must be an int in 0..{quant.MAX_REFINE}, got {refine!r}")
     if x.dim() != 2 or x.dtype not in quant.X_DTYPES:
         raise ValueError(f"x must be a fp16/bf16/fp32 [N, L] tensor, got {x.dtype} shape {list(x.shape)}")
     _check_bits(bits, group_size)
     if x.shape[1] % group_size:
         raise ValueError(f"x's last dim L = {x.shape[1]} must be a multiple of group_size {group_size}")
     if use_triton(x):
-        return quant.quantize_pack_triton(_unit(x), bits, group_size, midpoint=midpoint)
-    return quant.quantize_pack_reference(x, bits, group_size, midpoint)
+        return quant.quantize_pack_triton(_unit(x), bits, group_size, midpoint=midpoint, refine=refine)
+    return quant.quantize_pack_reference(x, bits, group_size, midpoint, refine)
 
 
 def unpack_dequantize(

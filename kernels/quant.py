@@ -7,9 +7,20 @@ Rows x [N, L] are cut into G = L / g groups of g consecutive elements. Per group
 so |x' - x| <= scale / 2, up to the fp16 rounding of min (|zero| * 2^-11). At 1 bit `midpoint`
 (SpeCache's fix of KIVI, whose two levels min and max inflate magnitudes): scale = (max - min)/2,
 zero = (3·min + max)/4, so the levels are the midpoints of the two half-ranges, (3·min+max)/4
-and (min+3·max)/4; (x - zero)/scale spans [-0.5, 1.5] and the clamp keeps x = max at code 1. Codes of
-bits ∈ {1, 2, 4, 8} are packed P = 8 / bits to a uint8, little end first: value j of a row sits
-in byte j // P at bit (j % P) * bits; g must be a multiple of P, so a group owns whole bytes.
+and (min+3·max)/4; (x - zero)/scale spans [-0.5, 1.5] and the clamp keeps x = max at code 1.
+
+`refine` r > 0 then refits scale and zero r times by least squares on the codes they gave
+(Lloyd's iteration for a uniform grid; at 1 bit it moves the two levels to the means of the
+values each code holds): with the group's codes q and m = g,
+    scale = (m·Σqx - Σq·Σx) / (m·Σq² - (Σq)²),   zero = (Σx - scale·Σq) / m     (both to fp16)
+and the codes are recomputed from the new pair (a group whose codes are all equal keeps its
+pair). Each refit can only lower the group's squared error before the fp16 rounding; on
+SmolLM2's keys (per channel, g = 32) three refits cut the relative error from 0.19 to 0.15 at
+2 bits and from 0.31 to 0.28 at 1 bit (`executor.layers.lowbit`: what that does to attention).
+
+Codes of bits ∈ {1, 2, 4, 8} are packed P = 8 / bits to a uint8, little end first: value j of a
+row sits in byte j // P at bit (j % P) * bits; g must be a multiple of P, so a group owns whole
+bytes.
 
 K per channel (groups of g tokens) and V per token (groups of g channels) both use this form:
 the caller lays the grouped axis last (`executor.layers.quant`). Three pieces, as for every
@@ -25,6 +36,7 @@ from kernels._triton import HAS_TRITON, pow2_at_least, require_triton, tl, trito
 BITS = (1, 2, 4, 8)
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PARAM_DTYPE = torch.float16        # scales and zeros
+MAX_REFINE = 8                     # least-squares refits a call may ask for
 
 
 def per_byte(bits: int) -> int:
@@ -48,6 +60,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_B: tl.constexpr,   # >= g / P bytes of one group
         MIDPOINT: tl.constexpr,  # 1 bit: SpeCache's levels (3·min+max)/4 and (min+3·max)/4
+        REFINE: tl.constexpr,    # least-squares refits of scale and zero
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)          # rows of this program
         g = tl.program_id(1)                                            # one group per program
@@ -72,7 +85,26 @@ if HAS_TRITON:
         z = zero.to(tl.float32)
         safe = tl.where(s > 0, s, 1.0)
         q = tl.floor((x - z[:, None, None]) / safe[:, None, None] + 0.5)
-        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
+        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)                   # [BLOCK_N, BLOCK_B, P]
+        for _ in tl.static_range(REFINE):
+            qm = tl.where(cmask[None, :, :], q, 0.0)
+            xm = tl.where(cmask[None, :, :], x, 0.0)
+            sq = tl.sum(tl.sum(qm, axis=2), axis=1)                         # [BLOCK_N]
+            sqq = tl.sum(tl.sum(qm * qm, axis=2), axis=1)
+            sx = tl.sum(tl.sum(xm, axis=2), axis=1)
+            sqx = tl.sum(tl.sum(qm * xm, axis=2), axis=1)
+            det = GROUP * sqq - sq * sq
+            ok = det > 0
+            s = tl.where(ok, (GROUP * sqx - sq * sx) / tl.where(ok, det, 1.0), s)
+            z = tl.where(ok, (sx - s * sq) / GROUP, z)
+            scale = s.to(tl.float16)
+            zero = z.to(tl.float16)
+            s = scale.to(tl.float32)
+            z = zero.to(tl.float32)
+            safe = tl.where(s > 0, s, 1.0)
+            q = tl.floor((x - z[:, None, None]) / safe[:, None, None] + 0.5)
+            q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
+        q = q.to(tl.int32)
         packed = tl.sum(q << (j * BITS)[None, None, :], axis=2)         # [BLOCK_N, BLOCK_B], disjoint bits
         bmask = nmask[:, None] & (b < GROUP // PER)[None, :]
         tl.store(codes_ptr + n64[:, None] * stride_c + g * (GROUP // PER) + b[None, :], packed.to(tl.uint8), mask=bmask)
@@ -155,9 +187,11 @@ def quantize_pack_triton(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,   # codes, scale, zero; allocated when None
     block_n: int = 16,
     midpoint: bool = False,
+    refine: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # codes [N, L / P] uint8, scale, zero [N, L / g] fp16
     """Launch the quantize-and-pack kernel; checks the contract first (`check_quant_args`)."""
     assert not midpoint or bits == 1, "the midpoint quantizer is 1-bit only"
+    assert 0 <= refine <= MAX_REFINE, f"refine must be in 0..{MAX_REFINE}, got {refine}"
     if out is None:
         assert x.dim() == 2 and bits in BITS and group_size >= 1, (
             f"x must be [N, L], bits in {BITS}, group_size >= 1; got {list(x.shape)}, {bits}, {group_size}")
@@ -174,7 +208,7 @@ def quantize_pack_triton(
     grid, block_b = _grid_blocks(n, L, bits, group_size, block_n)
     _quantize_pack_kernel[grid](x, codes, scale, zero, n, x.stride(0), codes.stride(0), scale.stride(0),
                                 zero.stride(0), GROUP=group_size, BITS=bits, PER=per_byte(bits),
-                                BLOCK_N=block_n, BLOCK_B=block_b, MIDPOINT=midpoint)
+                                BLOCK_N=block_n, BLOCK_B=block_b, MIDPOINT=midpoint, REFINE=refine)
     return codes, scale, zero
 
 
@@ -210,6 +244,7 @@ def quantize_pack_reference(
     bits: int,
     group_size: int,
     midpoint: bool = False,
+    refine: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:   # codes [N, L / P] uint8, scale, zero [N, L / g] fp16
     """What the kernel computes, in plain torch (vectorized over rows and groups)."""
     n, L = x.shape
@@ -221,11 +256,26 @@ def quantize_pack_reference(
     else:
         scale, zero = ((mx - mn) / levels).to(PARAM_DTYPE), mn.to(PARAM_DTYPE)
     s, z = scale.float(), zero.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.floor((xg - z[..., None]) / safe[..., None] + 0.5).clamp_(0, levels).to(torch.int32)
+    q = _codes(xg, s, z, levels)                                                # [N, G, g] fp32
+    for _ in range(refine):                                                     # least-squares refits
+        sq, sqq, sx, sqx = q.sum(-1), (q * q).sum(-1), xg.sum(-1), (q * xg).sum(-1)   # [N, G]
+        det = group_size * sqq - sq * sq
+        ok = det > 0
+        s = torch.where(ok, (group_size * sqx - sq * sx) / torch.where(ok, det, torch.ones_like(det)), s)
+        z = torch.where(ok, (sx - s * sq) / group_size, z)
+        scale, zero = s.to(PARAM_DTYPE), z.to(PARAM_DTYPE)
+        s, z = scale.float(), zero.float()
+        q = _codes(xg, s, z, levels)
+    q = q.to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32, device=x.device) * bits        # [P]
     codes = (q.reshape(n, L // per, per) << shifts).sum(dim=-1).to(torch.uint8)  # [N, L / P]
     return codes, scale, zero
+
+
+def _codes(xg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int) -> torch.Tensor:
+    """xg [N, G, g], s, z [N, G] fp32 -> codes [N, G, g] fp32 (scale 0: code 0)."""
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.floor((xg - z[..., None]) / safe[..., None] + 0.5).clamp_(0, levels)
 
 
 def unpack_dequantize_reference(

@@ -2,7 +2,14 @@
 
 KIVI form: K quantized per channel (each run of g consecutive tokens shares one fp16 scale and
 zero per channel), V per token (runs of g_v channels), codes packed into uint8; at 1 bit the
-midpoint quantizer (SpeCache's fix: levels (3·min+max)/4 and (min+3·max)/4). The newest rows
+midpoint quantizer (SpeCache's fix: levels (3·min+max)/4 and (min+3·max)/4). Key groups then get
+`KEY_REFINE` least-squares refits of their scale and zero (`kernels.quant`; same storage, same
+scoring kernel): on SmolLM2's keys at 2k tokens (three prompts, every layer, the question's
+queries) the error of attention with the top-32 rows exact and the rest low-bit fell from 0.089
+to 0.042 (2-bit) and from 0.158 to 0.096 (1-bit), and the top-32 found among the low-bit top-128
+rose from 0.978 to 0.983 (2-bit) / 0.842 to 0.865 (1-bit). Values keep min/max: refitting a
+token's group of channels clips its outlier channels, a bias the attention's sum keeps (the
+same error measure rose, 0.042 -> 0.051 at 2 bits). The newest rows
 stay in the storage dtype, as in KIVI: values in a sliding window of `residual` rows (an older
 row is quantized as soon as it leaves it), keys until a whole group of g rows lies past the
 window. `seal()` — called at the end of a prefill call — quantizes all but the newest `residual`
@@ -23,11 +30,12 @@ import torch
 from kernels import lowbit_scores, quantize_pack, unpack_dequantize
 
 
-def _quantize(x: torch.Tensor, bits: int, group: int):
+KEY_REFINE = 3        # least-squares refits of each key group's scale and zero
+
+
+def _quantize(x: torch.Tensor, bits: int, group: int, refine: int = 0):
     """x: [N, L] -> codes [N, L·b/8], scale, zero [N, L/g]; the midpoint quantizer at 1 bit."""
-    if bits == 1:
-        return quantize_pack(x, bits, group, midpoint=True)
-    return quantize_pack(x, bits, group)
+    return quantize_pack(x, bits, group, midpoint=bits == 1, refine=refine)
 
 
 class LowBitKV:
@@ -87,7 +95,7 @@ class LowBitKV:
             self.pads.append((self.k_codes.shape[1] + n - 1, m % g))
             k = torch.cat([k, k[:, -1:].expand(h, n * g - m, d)], dim=1)
         rows = k.reshape(h, n, g, d).transpose(2, 3).reshape(h * n * d, g)                 # [H·n·D, g]
-        codes, scale, zero = _quantize(rows, self.bits, g)
+        codes, scale, zero = _quantize(rows, self.bits, g, KEY_REFINE)
         self.k_codes = torch.cat([self.k_codes, codes.view(h, n, d, -1)], dim=1)
         self.k_scale = torch.cat([self.k_scale, scale.view(h, n, d)], dim=1)
         self.k_zero = torch.cat([self.k_zero, zero.view(h, n, d)], dim=1)

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import kernels
 from cachestore.handle import LocalHandle, StoreUnavailable, Unavailable
 from executor import offload_budget
 from executor.layers.lowbit import LowBitKV, lowbit_bytes
@@ -36,15 +37,28 @@ def test_lowbit_copy_keeps_every_row_within_its_quantization_error(bits):
     kq, vq = low.rows(torch.float32)
     assert kq.shape == vq.shape == (2, 45, 16)
     assert torch.equal(kq[:, 41:], k[:, 41:].half().float()) and torch.equal(vq[:, 41:], v[:, 41:].half().float())
-    # per key group and channel the error is at most half a step of that group's range (at 1 bit
-    # the midpoint levels sit a quarter of the range from each end)
+    # per key group and channel: no more squared error than the plain quantizer's (min/max, the
+    # midpoint levels at 1 bit) — the refits only move each group's scale and zero — and every
+    # element within its group's range
     levels = 2 ** bits - 1
     for a, b in ((0, 8), (8, 16), (16, 24), (24, 32), (32, 33), (33, 41)):    # the key groups: row 32 sealed alone
-        rows = k[:, a:b]
+        rows = k[:, a:b].half().float()                                      # [H, b-a, D] as stored
         span = rows.amax(1, keepdim=True) - rows.amin(1, keepdim=True)      # [H, 1, D]
-        bound = span / (2 * levels) if bits > 1 else span / 4
-        assert ((kq[:, a:b] - rows).abs() <= bound + 1e-2).all()
+        assert ((kq[:, a:b] - rows).abs() <= span + 1e-2).all()
+        sse = ((kq[:, a:b] - rows) ** 2).sum(1)                              # [H, D]
+        ref = ((_plain(rows, bits) - rows) ** 2).sum(1)
+        assert (sse <= ref * 1.01 + 1e-4).all()
     assert (vq[:, :41] - v[:, :41]).abs().max() <= (v[:, :41].amax() - v[:, :41].amin()) / (levels if bits > 1 else 2)
+
+
+def _plain(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """rows [H, n, D] of one key group -> their plain per-channel quantization (no refits), the
+    group padded to 8 rows with its last row as `LowBitKV` pads it."""
+    h, n, d = rows.shape
+    padded = torch.cat([rows, rows[:, -1:].expand(h, 8 - n, d)], dim=1)           # [H, 8, D]
+    per_channel = padded.transpose(1, 2).reshape(h * d, 8)                       # [H·D, 8]
+    back = kernels.unpack_dequantize(*kernels.quantize_pack(per_channel, bits, 8, midpoint=bits == 1), bits, 8)
+    return back.view(h, d, 8).transpose(1, 2)[:, :n]
 
 
 def test_lowbit_bytes_bound_what_the_copy_holds():

@@ -30,8 +30,12 @@ CASES = {
     "fp32_no_rows_b4_g8": (0, 16, 4, 8, torch.float32, "contiguous", 16),
     "fp16_N7_L24_b1_g8_midpoint": (7, 24, 1, 8, torch.float16, "contiguous", 4),    # SpeCache's 1-bit levels
     "fp32_N5_L64_b1_g32_midpoint": (5, 64, 1, 32, torch.float32, "contiguous", 16),
+    "fp32_N7_L24_b2_g12_refine3": (7, 24, 2, 12, torch.float32, "contiguous", 4),     # least-squares refits
+    "fp16_N6_L40_b4_g10_refine1": (6, 40, 4, 10, torch.float16, "contiguous", 16),
+    "fp32_N9_L64_b1_g32_midpoint_refine3": (9, 64, 1, 32, torch.float32, "row_stride_45", 8),
 }
-MIDPOINT = {name for name in CASES if name.endswith("_midpoint")}
+MIDPOINT = {name for name in CASES if "_midpoint" in name}
+REFINE = {name: int(name.rsplit("_refine", 1)[1]) for name in CASES if "_refine" in name}
 OUT_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
@@ -39,8 +43,8 @@ def _inputs(name: str) -> tuple[torch.Tensor, int, int, int]:
     n, L, bits, g, dtype, layout, block_n = CASES[name]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     if layout == "row_stride_45":
-        x = (3 * torch.randn(n, 45, generator=gen) + 1).to(dtype)[:, 7:7 + L]   # [N, L], stride (45, 1)
-        assert x.stride() == (45, 1)
+        x = (3 * torch.randn(n, 45 + L, generator=gen) + 1).to(dtype)[:, 7:7 + L]   # [N, L], rows 45 + L apart
+        assert x.stride() == (45 + L, 1)
     else:
         x = (3 * torch.randn(n, L, generator=gen) + 1).to(dtype)                # [N, L]
     if n > 1:
@@ -59,7 +63,8 @@ def _child(out_path: str) -> None:
         out = (torch.full((n, L * bits // 8), 0xA5, dtype=torch.uint8),
                torch.full((n, L // g), float("nan"), dtype=torch.float16),
                torch.full((n, L // g), float("nan"), dtype=torch.float16))
-        codes, scale, zero = quant.quantize_pack_triton(x, bits, g, out=out, block_n=block_n, midpoint=name in MIDPOINT)
+        codes, scale, zero = quant.quantize_pack_triton(x, bits, g, out=out, block_n=block_n, midpoint=name in MIDPOINT,
+                                                        refine=REFINE.get(name, 0))
         back = torch.full((n, L), float("nan"), dtype=x.dtype)
         quant.unpack_dequantize_triton(codes, scale, zero, bits, g, out=back, block_n=block_n)
         results[name] = (x, codes, scale, zero, back)
@@ -80,7 +85,8 @@ def test_child_really_ran_the_interpreter(interpreted):
 def test_kernels_match_reference(interpreted, name):
     x, codes, scale, zero, back = interpreted[name]
     n, L, bits, g, dtype, *_ = CASES[name]
-    ref_codes, ref_scale, ref_zero = quant.quantize_pack_reference(x, bits, g, midpoint=name in MIDPOINT)
+    ref_codes, ref_scale, ref_zero = quant.quantize_pack_reference(x, bits, g, midpoint=name in MIDPOINT,
+                                                                   refine=REFINE.get(name, 0))
     assert codes.shape == ref_codes.shape == (n, L * bits // 8) and codes.dtype == torch.uint8
     assert scale.shape == zero.shape == (n, L // g) and scale.dtype == zero.dtype == torch.float16
     assert not scale.isnan().any() and not zero.isnan().any(), "kernel left poisoned scales/zeros"
@@ -121,6 +127,53 @@ def test_midpoint_halves_the_one_bit_error_on_uniform_data():
     x = torch.rand(64, 256, generator=torch.Generator().manual_seed(0))
     err = lambda mid: (kernels.unpack_dequantize(*kernels.quantize_pack(x, 1, 32, midpoint=mid), 1, 32) - x).abs().mean()
     assert err(True) < 0.6 * err(False)          # uniform on [0, 1): 1/8 vs 1/4 expected
+
+
+def test_worked_example_one_bit_refit_moves_the_levels_to_the_codes_means():
+    """Group [0, 0, 0, 2, 2, 2, 7, 9] at 1 bit: the midpoint levels are 2.25 and 6.75 (codes
+    0 0 0 0 0 0 1 1, squared error 20.5); one least-squares refit puts them at the means of
+    what each code holds, 1 and 8 (scale 7, zero 1; squared error 8), and a second refit
+    changes nothing (the codes stay put)."""
+    x = torch.tensor([[0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 7.0, 9.0]])
+    codes, scale, zero = kernels.quantize_pack(x, 1, 8, midpoint=True, refine=1)
+    assert scale.tolist() == [[7.0]] and zero.tolist() == [[1.0]]
+    assert kernels.unpack_dequantize(codes, scale, zero, 1, 8).tolist() == [[1.0] * 6 + [8.0] * 2]
+    again = kernels.quantize_pack(x, 1, 8, midpoint=True, refine=2)
+    assert all(torch.equal(a, b) for a, b in zip(again, (codes, scale, zero)))
+    before = kernels.unpack_dequantize(*kernels.quantize_pack(x, 1, 8, midpoint=True), 1, 8)
+    assert ((before - x) ** 2).sum().item() == 20.5
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_refits_lower_the_error_on_heavy_tailed_groups(bits):
+    """Student-t rows (outliers stretch min / max): the refit never loses more than fp16 rounding
+    on any group and cuts the mean squared error clearly; constant groups stay exact."""
+    gen = torch.Generator().manual_seed(bits)
+    x = _student_t(gen, (256, 64))
+    x[0] = 1.25                                                                  # two constant groups
+    mid = bits == 1
+    err = lambda r: ((kernels.unpack_dequantize(*kernels.quantize_pack(x, bits, 32, midpoint=mid, refine=r), bits, 32)
+                      - x) ** 2).view(256, 2, 32).sum(-1)                         # [N, G] squared error per group
+    e0, e3 = err(0), err(3)
+    assert (e3 <= e0 * (1 + 1e-2) + 1e-5).all()
+    assert e3.mean() < 0.9 * e0.mean()
+    assert e3[0].tolist() == [0.0, 0.0]
+
+
+def _student_t(gen: torch.Generator, shape: tuple[int, int], df: int = 3) -> torch.Tensor:
+    """t-distributed samples from normals (torch's own sampler takes no generator)."""
+    z = torch.randn(*shape, generator=gen)
+    chi2 = (torch.randn(*shape, df, generator=gen) ** 2).sum(-1)
+    return z / (chi2 / df).sqrt()
+
+
+def test_refine_argument_errors():
+    x = torch.randn(2, 8)
+    for bad in (-1, quant.MAX_REFINE + 1, 1.5, True):
+        with pytest.raises(ValueError, match="refine"):
+            kernels.quantize_pack(x, 2, 8, refine=bad)
+
+
 def test_worked_example_two_bits_reconstructs_a_ramp_exactly():
     """[0, 1, 2, 3] at 2 bits: scale (3 - 0) / 3 = 1, zero 0, codes 0..3 packed little end first
     into one byte 0b11_10_01_00 = 228; a second group [10, 10, 10, 10] is constant: scale 0."""
