@@ -47,6 +47,13 @@ def per_byte(bits: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def _grid_codes(x, s, z, BITS: tl.constexpr):
+        """x [BLOCK_N, BLOCK_B, P], s, z [BLOCK_N] fp32 -> codes as fp32 (scale 0: code 0)."""
+        safe = tl.where(s > 0, s, 1.0)
+        q = tl.floor((x - z[:, None, None]) / safe[:, None, None] + 0.5)
+        return tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
+
+    @triton.jit
     def _quantize_pack_kernel(
         x_ptr,          # [N, L] fp16/bf16/fp32, unit column stride
         codes_ptr,      # [N, L / P] uint8, unit column stride
@@ -83,16 +90,13 @@ if HAS_TRITON:
             zero = mn.to(tl.float16)
         s = scale.to(tl.float32)
         z = zero.to(tl.float32)
-        safe = tl.where(s > 0, s, 1.0)
-        q = tl.floor((x - z[:, None, None]) / safe[:, None, None] + 0.5)
-        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)                   # [BLOCK_N, BLOCK_B, P]
+        q = _grid_codes(x, s, z, BITS)                                  # [BLOCK_N, BLOCK_B, P]
+        sx = tl.sum(tl.sum(x, axis=2), axis=1)                          # [BLOCK_N]; masked columns loaded as 0
         for _ in tl.static_range(REFINE):
             qm = tl.where(cmask[None, :, :], q, 0.0)
-            xm = tl.where(cmask[None, :, :], x, 0.0)
-            sq = tl.sum(tl.sum(qm, axis=2), axis=1)                         # [BLOCK_N]
+            sq = tl.sum(tl.sum(qm, axis=2), axis=1)                     # [BLOCK_N]
             sqq = tl.sum(tl.sum(qm * qm, axis=2), axis=1)
-            sx = tl.sum(tl.sum(xm, axis=2), axis=1)
-            sqx = tl.sum(tl.sum(qm * xm, axis=2), axis=1)
+            sqx = tl.sum(tl.sum(qm * x, axis=2), axis=1)
             det = GROUP * sqq - sq * sq
             ok = det > 0
             s = tl.where(ok, (GROUP * sqx - sq * sx) / tl.where(ok, det, 1.0), s)
@@ -101,9 +105,7 @@ if HAS_TRITON:
             zero = z.to(tl.float16)
             s = scale.to(tl.float32)
             z = zero.to(tl.float32)
-            safe = tl.where(s > 0, s, 1.0)
-            q = tl.floor((x - z[:, None, None]) / safe[:, None, None] + 0.5)
-            q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
+            q = _grid_codes(x, s, z, BITS)
         q = q.to(tl.int32)
         packed = tl.sum(q << (j * BITS)[None, None, :], axis=2)         # [BLOCK_N, BLOCK_B], disjoint bits
         bmask = nmask[:, None] & (b < GROUP // PER)[None, :]
@@ -257,8 +259,9 @@ def quantize_pack_reference(
         scale, zero = ((mx - mn) / levels).to(PARAM_DTYPE), mn.to(PARAM_DTYPE)
     s, z = scale.float(), zero.float()
     q = _codes(xg, s, z, levels)                                                # [N, G, g] fp32
+    sx = xg.sum(-1)                                                             # [N, G]
     for _ in range(refine):                                                     # least-squares refits
-        sq, sqq, sx, sqx = q.sum(-1), (q * q).sum(-1), xg.sum(-1), (q * xg).sum(-1)   # [N, G]
+        sq, sqq, sqx = q.sum(-1), (q * q).sum(-1), (q * xg).sum(-1)             # [N, G]
         det = group_size * sqq - sq * sq
         ok = det > 0
         s = torch.where(ok, (group_size * sqx - sq * sx) / torch.where(ok, det, torch.ones_like(det)), s)
