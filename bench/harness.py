@@ -20,7 +20,7 @@ from kvplan import model as models
 from kvplan.config import ModelConfig, from_env
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan
-from planner.predict import retained_attention
+from planner.predict import copy_retained_attention, retained_attention
 from planner.probe import Prober, ProbeStats
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
@@ -86,6 +86,10 @@ class Harness:
     def predicted_retained(self, plan: CompressionPlan, ids: list[int]) -> float:
         """The planner's yardstick for a plan of this prompt (`planner.predict`)."""
         return retained_attention(plan, self.probe(ids), self.lm.num_kv_heads)
+
+    def predicted_copy(self, plan: CompressionPlan, ids: list[int]) -> float:
+        """The copy-aware yardstick (`planner.predict.copy_retained_attention`)."""
+        return copy_retained_attention(plan, self.probe(ids), self.lm.num_kv_heads)
 
     def plan(self, strategy: str, ids: list[int] | int, ratio: float) -> CompressionPlan:
         """ids: the context's token ids (probing strategies need them) or just its length."""

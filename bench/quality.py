@@ -91,7 +91,9 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
             res = h.run(prompt, strategy, ratio, new_tokens, prefix, plan, measure_recall=plan.offload.enabled)
             evicts = any(lp.kind != "full" for lp in plan.layers)     # else the plan keeps every token's K/V
             predicted = h.predicted_retained(plan, list(prompt.context_ids)) if evicts else plan.predicted_retained_attention
-            runs[case.family, mode, strategy, ratio].append(dict(predicted_retained=predicted, offload=res.offload,
+            copy = h.predicted_copy(plan, list(prompt.context_ids)) if evicts else 1.0
+            runs[case.family, mode, strategy, ratio].append(dict(
+                predicted_retained=predicted, predicted_copy=copy, offload=res.offload,
                 id=case.id, length=case.length, depth=case.depth, key=case.key, answer=case.answer,
                 reply=res.text, correct=C.is_correct(case.answer, res.text),
                 digits=C.digits_matched(case.answer, res.text), measured_ratio=measured_ratio(res),
@@ -111,6 +113,7 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
                          correct=sum(c["correct"] for c in got), total=len(got),
                          mean_digits=sum(c["digits"] for c in got) / len(got),
                          predicted_retained=sum(c["predicted_retained"] for c in got) / len(got),
+                         predicted_copy=sum(c["predicted_copy"] for c in got) / len(got),
                          **offload_summary(got), cases=got))
     return rows
 
@@ -130,17 +133,22 @@ def offload_summary(cases: list[dict]) -> dict:
                 prefetches=sum(c["offload"]["stats"]["prefetches"] for c in off))
 
 
+PREDICTORS = {"predicted_retained": "retained attention", "predicted_copy": "copy-aware retained attention"}
+
+
 def rank_correlation(rows: list[dict]) -> list[dict]:
-    """Per family and mode: Spearman's ρ between the plans' predicted retained attention and the
-    accuracy they measured, over every compressed (strategy, ratio) row."""
+    """Per family, mode and predictor (`PREDICTORS`: planner.predict's retained attention and its
+    copy-aware form): Spearman's ρ between the plans' prediction and the accuracy they measured,
+    over every compressed (strategy, ratio) row."""
     from scipy.stats import spearmanr
     out = []
     for family, mode in sorted({(r["family"], r["mode"]) for r in rows}):
         mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode) and r["strategy"] != "full"]
         if len(mine) < 3:
             continue
-        rho, p = spearmanr([r["predicted_retained"] for r in mine], [r["correct"] / r["total"] for r in mine])
-        out.append(dict(family=family, mode=mode, rows=len(mine), spearman=float(rho), p_value=float(p)))
+        for key in PREDICTORS:
+            rho, p = spearmanr([r.get(key, 1.0) for r in mine], [r["correct"] / r["total"] for r in mine])
+            out.append(dict(family=family, mode=mode, predictor=key, rows=len(mine), spearman=float(rho), p_value=float(p)))
     return out
 
 
@@ -163,7 +171,7 @@ def table(rows: list[dict], fid: list[dict], jobs) -> str:
     cols = sorted({(r["family"], r["mode"]) for r in rows}, key=lambda c: (FAMILIES.index(c[0]), MODES.index(c[1])))
     head = ["strategy", "reserve", "measured"] + [f"{f} / {m.removeprefix('query_')}" for f, m in cols]
     head += ["top-1", "KL"] if fid else []
-    head += ["predicted retained"]
+    head += ["predicted retained", "copy-aware"]
     offload = any("recall" in r for r in rows)
     head += ["measured ≥2k (max)", "prefetch recall rows / mass"] if offload else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
@@ -175,7 +183,7 @@ def table(rows: list[dict], fid: list[dict], jobs) -> str:
         cells = [strategy, "—" if strategy == "full" else f"{ratio:g}", f"{measured:.3f}"]
         cells += [f"{mine[c]['correct']}/{mine[c]['total']}" if c in mine else "" for c in cols]
         cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}"] if f else ([""] * 2 if fid else [])
-        cells += [f"{sum(c['predicted_retained'] for c in cases) / len(cases):.3f}" if cases else ""]
+        cells += [f"{sum(c[k] for c in cases) / len(cases):.3f}" if cases else "" for k in PREDICTORS]
         if offload:
             o = [r for r in mine.values() if "recall" in r]
             long = [c["measured_ratio"] for r in o for c in r["cases"] if c["context_tokens"] >= LONG]
@@ -228,7 +236,7 @@ def main(argv=None) -> None:
             for job in jobs if any(r["family"] == "niah" and (r["strategy"], r["requested_ratio"]) == job for r in rows)]
     print(table(rows, fid, jobs))
     for rc in out["rank_correlation"]:
-        print(f"predicted retained attention vs accuracy, {rc['family']} / {rc['mode']}: Spearman ρ = "
+        print(f"predicted {PREDICTORS[rc['predictor']]} vs accuracy, {rc['family']} / {rc['mode']}: Spearman ρ = "
               f"{rc['spearman']:.2f} over {rc['rows']} plans (p = {rc['p_value']:.2g})")
     print(f"\n{len(rows)} rows, {out['seconds']['cases']}s cases + {out['seconds']['fidelity']}s fidelity; "
           f"{args.out / 'quality.json'}, {len(pngs)} NIAH heatmaps in {args.out}")

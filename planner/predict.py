@@ -6,13 +6,26 @@ head's top `keep_tokens` by the window scores of the plan's GQA mode; StreamingL
 window only), and the layer's retained attention is the share of the window's attention mass
 they hold, averaged over the stored heads. Layers without eviction (full, quant, merge,
 codebook without eviction) keep every token: 1.0. The plan's figure is the mean over layers.
-Pooling and the copy span are left out: they decide among near-equal tokens, not the mass."""
+Pooling and the copy span are left out: they decide among near-equal tokens, not the mass.
+
+`copy_retained_attention` asks more of a kept token: an answer read from the context is copied
+token by token from where the window's attention lands, so a token's attention only counts for
+the share of it and the `COPY` tokens after it that are kept (the same argument as the
+executor's copy span, `executor.scoring.spread`). Its kept tokens are the executor's own
+selection (pooling, copy span, GQA mode; KVCrush's representatives are counted as more
+top-ranked tokens, and a codebook layer's byte budget as that many tokens). A plan that keeps the attended tokens but drops what
+follows them — attention-score eviction on this small model — scores low here even where its
+retained mass is high."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from executor import scoring
 from kvplan.plan import CompressionPlan
 from planner.probe import ProbeStats
+
+COPY = 16   # tokens after an attended one that a copied answer may run over
 
 
 def retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: int) -> float:
@@ -35,4 +48,30 @@ def retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: i
         fixed = s[:, :sinks].sum(-1) + s[:, t - window:].sum(-1)                            # [heads]
         top = -np.sort(-ctx, axis=-1)[:, :keep].sum(-1) if keep else 0.0
         out.append(float(np.mean((fixed + top) / np.maximum(s.sum(-1), 1e-30))))
+    return float(np.mean(out))
+
+
+def copy_retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: int, copy: int = COPY) -> float:
+    """stats.window_scores: [m, H, T] per query head (a `repeat`-mode probe) -> mean over layers
+    of sum_j w_j · (share of tokens j..j+copy the layer keeps) / sum_j w_j, per stored head."""
+    scores = stats.window_scores                                                            # [m, H, T]
+    m, h, t = scores.shape
+    out = []
+    for lp in plan.layers:
+        ev = lp.eviction
+        if ev is None:
+            out.append(1.0)
+            continue
+        s = torch.from_numpy(np.asarray(scores[lp.layer], dtype=np.float32))                # [H, T]
+        rank = None if ev.scorer == "streaming_llm" else scoring.spread(scoring.pool(s, ev.pool_kernel), ev.span_tokens)
+        if ev.gqa_mode != "repeat":
+            s = scoring.group_mean(s, num_kv_heads)                                         # [H_kv, T]
+            rank = None if rank is None else scoring.group_mean(rank, num_kv_heads)
+        heads = s.shape[0]
+        rows = scoring.select(rank, t, 0 if rank is None else ev.keep_tokens or 0, ev.window, ev.sink_tokens, heads)
+        kept = torch.zeros(heads, t + copy).scatter_(1, rows, 1.0)                         # [heads, T + copy]
+        kept[:, t:] = 1.0                                                                   # past the prompt: nothing to miss
+        run = torch.nn.functional.pad(kept.cumsum(-1), (1, 0))                              # [heads, T + copy + 1]
+        cover = (run[:, copy + 1:copy + 1 + t] - run[:, :t]) / (copy + 1)                   # [heads, T] share of j..j+copy kept
+        out.append(float(((s * cover).sum(-1) / s.sum(-1).clamp_min(1e-30)).mean()))
     return float(np.mean(out))
