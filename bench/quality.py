@@ -147,7 +147,7 @@ def rank_correlation(rows: list[dict]) -> list[dict]:
         if len(mine) < 3:
             continue
         for key in PREDICTORS:
-            rho, p = spearmanr([r.get(key, 1.0) for r in mine], [r["correct"] / r["total"] for r in mine])
+            rho, p = spearmanr([r[key] for r in mine], [r["correct"] / r["total"] for r in mine])
             out.append(dict(family=family, mode=mode, predictor=key, rows=len(mine), spearman=float(rho), p_value=float(p)))
     return out
 

@@ -74,6 +74,13 @@ def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return scores.view(num_kv_heads, h // num_kv_heads, t).mean(1)
 
 
+def ranking(scores: torch.Tensor, ev, num_kv_heads: int) -> torch.Tensor:
+    """The ranking an eviction part keeps the top of: raw head scores [H, T] pooled, spread by
+    the copy span, and in GQA `mean` mode averaged per KV group -> [stored heads, T]."""
+    scores = spread(pool(scores, ev.pool_kernel), ev.span_tokens)
+    return scores if ev.gqa_mode == "repeat" else group_mean(scores, num_kv_heads)
+
+
 def select(scores: torch.Tensor | None, num_tokens: int, keep: int, window: int, sinks: int,
            heads: int) -> torch.Tensor:
     """Kept token indices per stored head: the first `sinks`, the top-`keep` of the context

@@ -18,11 +18,13 @@ follows them — attention-score eviction on this small model — scores low her
 retained mass is high."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
 from executor import scoring
-from kvplan.plan import CompressionPlan
+from kvplan.plan import CompressionPlan, Eviction
 from planner.probe import ProbeStats
 
 COPY = 16   # tokens after an attended one that a copied answer may run over
@@ -30,15 +32,8 @@ COPY = 16   # tokens after an attended one that a copied answer may run over
 
 def retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: int) -> float:
     """stats.window_scores: [m, H, T] per query head (a `repeat`-mode probe) -> mean over layers."""
-    scores = stats.window_scores                                                            # [m, H, T]
-    m, h, t = scores.shape
-    out = []
-    for lp in plan.layers:
-        ev = lp.eviction
-        if ev is None:
-            out.append(1.0)
-            continue
-        s = scores[lp.layer]                                                                # [H, T]
+    def layer(ev: Eviction, s: np.ndarray) -> float:                                     # s: [H, T]
+        h, t = s.shape
         if ev.gqa_mode != "repeat":
             s = s.reshape(num_kv_heads, h // num_kv_heads, t).mean(1)                       # [H_kv, T]
         window = min(ev.window, t)
@@ -47,31 +42,31 @@ def retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: i
         keep = 0 if ev.scorer == "streaming_llm" else max(0, min(ev.keep_tokens or 0, ctx.shape[1]))
         fixed = s[:, :sinks].sum(-1) + s[:, t - window:].sum(-1)                            # [heads]
         top = -np.sort(-ctx, axis=-1)[:, :keep].sum(-1) if keep else 0.0
-        out.append(float(np.mean((fixed + top) / np.maximum(s.sum(-1), 1e-30))))
-    return float(np.mean(out))
+        return float(np.mean((fixed + top) / np.maximum(s.sum(-1), 1e-30)))
+    return _mean_over_layers(plan, stats, layer)
 
 
 def copy_retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: int, copy: int = COPY) -> float:
     """stats.window_scores: [m, H, T] per query head (a `repeat`-mode probe) -> mean over layers
     of sum_j w_j · (share of tokens j..j+copy the layer keeps) / sum_j w_j, per stored head."""
-    scores = stats.window_scores                                                            # [m, H, T]
-    m, h, t = scores.shape
-    out = []
-    for lp in plan.layers:
-        ev = lp.eviction
-        if ev is None:
-            out.append(1.0)
-            continue
-        s = torch.from_numpy(np.asarray(scores[lp.layer], dtype=np.float32))                # [H, T]
-        rank = None if ev.scorer == "streaming_llm" else scoring.spread(scoring.pool(s, ev.pool_kernel), ev.span_tokens)
+    def layer(ev: Eviction, raw: np.ndarray) -> float:                                   # raw: [H, T]
+        s = torch.from_numpy(np.asarray(raw, dtype=np.float32))
+        t = s.shape[1]
+        rank = None if ev.scorer == "streaming_llm" else scoring.ranking(s, ev, num_kv_heads)  # [heads, T]
         if ev.gqa_mode != "repeat":
             s = scoring.group_mean(s, num_kv_heads)                                         # [H_kv, T]
-            rank = None if rank is None else scoring.group_mean(rank, num_kv_heads)
         heads = s.shape[0]
         rows = scoring.select(rank, t, 0 if rank is None else ev.keep_tokens or 0, ev.window, ev.sink_tokens, heads)
         kept = torch.zeros(heads, t + copy).scatter_(1, rows, 1.0)                         # [heads, T + copy]
         kept[:, t:] = 1.0                                                                   # past the prompt: nothing to miss
         run = torch.nn.functional.pad(kept.cumsum(-1), (1, 0))                              # [heads, T + copy + 1]
         cover = (run[:, copy + 1:copy + 1 + t] - run[:, :t]) / (copy + 1)                   # [heads, T] share of j..j+copy kept
-        out.append(float(((s * cover).sum(-1) / s.sum(-1).clamp_min(1e-30)).mean()))
-    return float(np.mean(out))
+        return float(((s * cover).sum(-1) / s.sum(-1).clamp_min(1e-30)).mean())
+    return _mean_over_layers(plan, stats, layer)
+
+
+def _mean_over_layers(plan: CompressionPlan, stats: ProbeStats, layer: Callable[[Eviction, np.ndarray], float]) -> float:
+    """Mean over the plan's layers of `layer(eviction, window_scores [H, T])`; a layer without
+    eviction keeps every token: 1.0."""
+    return float(np.mean([1.0 if lp.eviction is None else layer(lp.eviction, stats.window_scores[lp.layer])
+                          for lp in plan.layers]))

@@ -139,11 +139,7 @@ class EvictedLayer(FullLayer):
 
     def rank(self, scores: torch.Tensor | None) -> torch.Tensor | None:
         """[H, T] raw head scores -> [stored heads, T] the ranking eviction keeps the top of."""
-        if scores is None:
-            return None
-        ev = self.eviction
-        scores = scoring.spread(scoring.pool(scores, ev.pool_kernel), ev.span_tokens)
-        return scores if self.repeat else scoring.group_mean(scores, self.ctx.num_kv_heads)
+        return None if scores is None else scoring.ranking(scores, self.eviction, self.ctx.num_kv_heads)
 
     def rows(self, scores: torch.Tensor | None, t: int, keep: int, head_scores: torch.Tensor | None = None) -> Kept:
         """scores: [stored heads, T]; head_scores: [H, T] raw (KVCrush's head-behaviour bits)."""
