@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     prompt = pl.add_mutually_exclusive_group()
     prompt.add_argument("--tokens", type=int, default=2048, help="prompt length without a prompt file (2048)")
     prompt.add_argument("--prompt-file", type=Path, help="tokenize this prompt (probing strategies probe it here)")
+    pl.add_argument("--predict", action="store_true",
+                    help="probe the prompt file (any strategy) for the plan's predicted retained attention "
+                         "and its copy-aware form")
     pl.add_argument("--json", action="store_true", help="print the plan in the proto's JSON form")
     pl.add_argument("--plot", type=Path, metavar="FILE.png", help="draw kept tokens per layer (needs matplotlib)")
     return p
@@ -226,7 +229,8 @@ def _plan(args, mcfg: ModelConfig) -> int:
         if args.prompt_file is not None:
             args.prompt = None
             text = _read_prompt(args)
-        plan, prompt_tokens = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens, text)
+        plan, prompt_tokens = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens, text,
+                                             args.predict)
     except planview.BadInput as e:
         raise UsageError(str(e)) from None
     print(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))

@@ -104,7 +104,8 @@ class CompressionPlan:
     model_fingerprint: str = ""
     offload: OffloadPlan = field(default_factory=OffloadPlan)
     predicted_reserve_ratio: float = 1.0
-    predicted_retained_attention: float = 1.0
+    predicted_retained_attention: float = 1.0         # planner/predict.py; 1.0: not predicted
+    predicted_copy_retained_attention: float = 1.0    # its copy-aware form; 1.0: not predicted
 
     def to_proto(self) -> common_pb2.CompressionPlan:
         return json_format.ParseDict(_drop_none(dataclasses.asdict(self)), common_pb2.CompressionPlan())
@@ -115,7 +116,8 @@ class CompressionPlan:
         layers = tuple(_layer(x) for x in d.pop("layers", []))
         offload = OffloadPlan(**d.pop("offload", {}))
         d["predicted_reserve_ratio"] = float(d.get("predicted_reserve_ratio", 0.0))
-        d["predicted_retained_attention"] = float(d.get("predicted_retained_attention", 0.0))
+        for k in ("predicted_retained_attention", "predicted_copy_retained_attention"):
+            d[k] = float(d.get(k, 0.0))
         return cls(layers=layers, offload=offload, **d)
 
 

@@ -3,7 +3,8 @@ the proto's JSON form (`--json`), or a bar chart of kept tokens per layer (`--pl
 
 The strategy is a shipped one's name or a definition file. The prompt is `--tokens N` tokens
 long, or a file tokenized as the executor would (one user message); a probing strategy then
-probes it here, with the model loaded in process."""
+probes it here, with the model loaded in process, and `--predict` probes it for any strategy to
+fill the plan's two predicted retained-attention figures (planner/predict.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,7 @@ def strategy(spec: str):
 
 
 def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | None, tokens: int,
-         prompt: str | None) -> tuple[CompressionPlan, int]:
+         prompt: str | None, predict: bool = False) -> tuple[CompressionPlan, int]:
     """-> (the plan, the prompt's tokens)."""
     from planner.request import InvalidRequest, PlanInput
     s = strategy(spec)
@@ -49,20 +50,27 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
         raise BadInput(f"--kv-tokens: must be >= 1, got {kv_tokens}")
     if tokens < 1:
         raise BadInput(f"--tokens: must be >= 1, got {tokens}")
+    if predict and prompt is None:
+        raise BadInput("--predict: probes the prompt: give --prompt-file")
     shape, path = _shape(mcfg)
     ids = _tokenize(path, prompt) if prompt is not None else None
     probe = None
-    if ids and s.probe_mode:
-        from planner.probe import Prober
-        probe = lambda **kw: Prober(mcfg).probe(ids, **{"gqa_mode": s.probe_mode, **kw})   # noqa: E731
+    if ids:
+        from planner.probe import Prober, once
+        probe = once(Prober(mcfg).probe, ids)
+    mode = s.probe_mode
     inp = PlanInput(job_id="cli", strategy=s.name, prompt_tokens=len(ids) if ids is not None else tokens,
-                    model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens, probe=probe)
+                    model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens,
+                    probe=(lambda **kw: probe(**{"gqa_mode": mode, **kw})) if probe and mode else None)
     try:
         plan = s.plan(inp, "local")
     except InvalidRequest as e:
         if e.field == "token_ids":
             raise BadInput(f"--prompt-file: strategy {s.name} probes the prompt: give --prompt-file") from None
         raise BadInput(str(e)) from None
+    if predict and ids:
+        from planner.predict import annotate
+        plan = annotate(plan, probe(gqa_mode="repeat"), shape.num_kv_heads)
     return dataclasses.replace(plan, strategy=s.name, strategy_version=s.version), inp.prompt_tokens
 
 
@@ -95,7 +103,9 @@ def table(plan: CompressionPlan, prompt_tokens: int) -> str:
     head = (f"{plan.strategy} v{plan.strategy_version}: {prompt_tokens} prompt tokens, predicted reserve ratio "
             f"{plan.predicted_reserve_ratio:.3f}"
             + (f", retained attention {plan.predicted_retained_attention:.3f}"
-               if plan.predicted_retained_attention < 1.0 else ""))
+               if plan.predicted_retained_attention < 1.0 else "")
+            + (f", copy-aware {plan.predicted_copy_retained_attention:.3f}"
+               if plan.predicted_copy_retained_attention < 1.0 else ""))
     rows = [f"{'layer':>5} {'kind':<8} {'keep_tokens':>11} {'window':>6} {'sinks':>5} {'codebook θk/θv':<14} "
             f"{'merge':<22} {'quant':<14} kvcrush"]
     for lp in plan.layers:

@@ -18,6 +18,7 @@ follows them — attention-score eviction on this small model — scores low her
 retained mass is high."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -63,6 +64,13 @@ def copy_retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_hea
         cover = (run[:, copy + 1:copy + 1 + t] - run[:, :t]) / (copy + 1)                   # [heads, T] share of j..j+copy kept
         return float(((s * cover).sum(-1) / s.sum(-1).clamp_min(1e-30)).mean())
     return _mean_over_layers(plan, stats, layer)
+
+
+def annotate(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: int) -> CompressionPlan:
+    """The plan with both figures computed here from a `repeat`-mode probe of its prompt (what a
+    `predict` request gets, whatever the strategy)."""
+    return dataclasses.replace(plan, predicted_retained_attention=retained_attention(plan, stats, num_kv_heads),
+                               predicted_copy_retained_attention=copy_retained_attention(plan, stats, num_kv_heads))
 
 
 def _mean_over_layers(plan: CompressionPlan, stats: ProbeStats, layer: Callable[[Eviction, np.ndarray], float]) -> float:

@@ -3,7 +3,9 @@
 Strategies are the shipped presets plus the custom definitions SetStrategy registered (shared
 through Redis when configured). A probing strategy gets a lazy probe of the job's token ids, or,
 for a job whose profile has learned budget shares and that is not sampled, those shares instead
-(planner/profiles.py)."""
+(planner/profiles.py). A `predict` request probes the job's tokens whatever the strategy and
+fills both predicted retained-attention figures (planner/predict.py); one job never probes the
+same prompt twice in the same mode."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +18,8 @@ from prometheus_client import Counter
 
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
-from planner import profiles, request
+from planner import predict, profiles, request
+from planner.probe import once
 from planner.active import open_active
 from planner.strategies import STRATEGIES, Strategy, build, parse
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
@@ -42,8 +45,13 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             name = req.strategy or await self.active.get()
             strategy = await self._lookup(name, "strategy")
             inp = request.parse(req, name)
-            inp, pending = await self._probing(strategy, inp, list(req.token_ids))
+            if req.predict and not req.token_ids:
+                raise request.InvalidRequest("token_ids", "predict probes the prompt: send token_ids")
+            probe = self._probe(strategy.name, list(req.token_ids))
+            inp, pending = await self._probing(strategy, inp, probe)
             plan = await asyncio.to_thread(strategy.plan, inp, f"plan-{uuid.uuid4().hex[:12]}")
+            if req.predict:
+                plan = await asyncio.to_thread(_predicted, plan, probe, inp.model)
         except request.InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if pending and pending[1]:                      # a profile's sampled job probed: learn its shares
@@ -110,18 +118,21 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         await self.active.define(d.name, d.to_json())
         return strategy
 
-    async def _probing(self, strategy: Strategy, inp: request.PlanInput, token_ids: list[int]):
-        """(input, pending) for this job: a probing strategy's input gets a lazy probe (None without
-        token ids), or its profile's shares when the job is not sampled; `pending` = (profile key,
-        the list the probed allocation's shares land in), None when there is nothing to learn."""
+    def _probe(self, name: str, token_ids: list[int]):
+        """This job's lazy probe (`planner.probe.once`; None without token ids)."""
+        if not token_ids:
+            return None
+        return once(lambda *a, **kw: self.prober.probe(*a, **kw), token_ids, PROBES.labels(name).inc)
+
+    async def _probing(self, strategy: Strategy, inp: request.PlanInput, probe):
+        """(input, pending) for this job: a probing strategy's input gets the job's lazy probe (None
+        without token ids) in its GQA mode, or its profile's shares when the job is not sampled;
+        `pending` = (profile key, the list the probed allocation's shares land in), None when there
+        is nothing to learn."""
         if not strategy.probe_mode:
             return inp, None
-
-        def probe(**kw):                           # keywords go to Prober.probe (gqa_mode, losses)
-            PROBES.labels(strategy.name).inc()
-            return self.prober.probe(token_ids, **{"gqa_mode": strategy.probe_mode, **kw})
-
-        inp = dataclasses.replace(inp, probe=probe if token_ids else None)
+        mode = strategy.probe_mode
+        inp = dataclasses.replace(inp, probe=(lambda **kw: probe(**{"gqa_mode": mode, **kw})) if probe else None)
         if not inp.profile:
             return inp, None
         m = inp.model
@@ -178,6 +189,16 @@ def _known(strategies) -> str:
 
 def _info(s: Strategy, active: str) -> planner_pb2.StrategyInfo:
     return planner_pb2.StrategyInfo(name=s.name, version=s.version, description=s.description, active=s.name == active)
+
+
+def _predicted(plan, probe, model: request.ModelShape):
+    """The plan with both retained-attention figures from a `repeat`-mode probe of its prompt."""
+    stats = probe(gqa_mode="repeat")
+    got = stats.window_scores.shape[:2]
+    if tuple(got) != (model.num_layers, model.num_query_heads):
+        raise request.InvalidRequest("model", f"the planner's model has {got[0]} layers x {got[1]} query heads, "
+                                              f"the request says {model.num_layers} x {model.num_query_heads}")
+    return predict.annotate(plan, stats, model.num_kv_heads)
 
 
 def build_service(cfg: PlannerConfig, prober=None) -> Service:

@@ -185,3 +185,18 @@ def test_plan_plot_without_matplotlib_exits_2(real_shape, tmp_path, monkeypatch,
     monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
     assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_plan_predict_probes_any_strategy(monkeypatch, tiny_model_dir, tmp_path, capsys):
+    monkeypatch.setenv("KVPLAN_MODEL", str(tiny_model_dir))
+    f = tmp_path / "prompt.txt"
+    f.write_text(" ".join(f"word{i}" for i in range(300)))
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--prompt-file", str(f)]) == 0
+    assert "retained attention" not in capsys.readouterr().out.splitlines()[0]     # not probed: not predicted
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--prompt-file", str(f), "--predict"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    retained = float(head.split("retained attention ")[1].split(",")[0])
+    copy = float(head.split("copy-aware ")[1])
+    assert 0.0 < copy < 1.0 and 0.0 < retained < 1.0
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--predict"]) == 2
+    assert "--predict: probes the prompt: give --prompt-file" in capsys.readouterr().err

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant
-from planner.predict import copy_retained_attention, retained_attention
+from planner.predict import annotate, copy_retained_attention, retained_attention
 from planner.probe import ProbeStats
 
 
@@ -55,3 +55,13 @@ def test_copy_aware_worked_example_credits_what_follows_the_attended_token():
         == pytest.approx(0.05 / 3 + 0.1 / 3 + 0.2 / 3 + 0.1)
     # no eviction keeps everything
     assert copy_retained_attention(CompressionPlan("p", "t", (LayerPlan(0),)), _stats(s), 1, copy) == 1.0
+
+
+def test_annotate_fills_both_figures():
+    s = np.full((2, 2, 6), 1 / 6)
+    ev = Eviction(keep_tokens=1, window=1, sink_tokens=1, scorer="snapkv", gqa_mode="mean")
+    plan = CompressionPlan("p", "t", (LayerPlan(0, eviction=ev), LayerPlan(1)))
+    got = annotate(plan, _stats(s), 1)
+    assert got.predicted_retained_attention == pytest.approx(retained_attention(plan, _stats(s), 1)) == (3 / 6 + 1) / 2
+    assert got.predicted_copy_retained_attention == pytest.approx(copy_retained_attention(plan, _stats(s), 1))
+    assert got.predicted_copy_retained_attention < 1.0 and got.layers == plan.layers

@@ -2,6 +2,7 @@
 weights of a plain forward (summed over the window, pooled, normalised), its similarity and
 angle statistics match direct computations on the projected K/V, and it stops after the last
 attention."""
+import dataclasses
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.probe import Prober, angle, pooled, similar_share
+from tests.planner.fakes import stats
 
 TOKENS = list(range(1000, 1070))     # 70 tokens
 
@@ -113,3 +115,20 @@ def test_quantization_loss_is_the_dequantized_attention():
     _, _, quant = layer_losses(q, k, v, mass, 0.5, 4)
     assert quant[0] == 0.0 and quant[3] < 1e-12                            # 16 bits, 2 bits: exact
     assert 0.0 < max(quant[1], quant[2]) < 1e-6
+
+
+def test_once_probes_each_mode_once_and_upgrades_to_losses():
+    from planner.probe import once
+    calls, seen = [], []
+
+    def run(ids, gqa_mode, losses):
+        calls.append((gqa_mode, losses))
+        return dataclasses.replace(stats(m=2, t=8), losses=object() if losses else None)
+
+    probe = once(run, [1, 2, 3], lambda: seen.append(1))
+    a = probe(gqa_mode="repeat")
+    assert probe(gqa_mode="repeat") is a and calls == [("repeat", False)]
+    b = probe(gqa_mode="repeat", losses=True)                      # asked for losses: probes again
+    assert probe(gqa_mode="repeat") is b and probe(gqa_mode="repeat", losses=True) is b
+    probe(gqa_mode="mean")
+    assert calls == [("repeat", False), ("repeat", True), ("mean", False)] and len(seen) == 3

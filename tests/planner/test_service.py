@@ -8,7 +8,7 @@ import pytest
 from kvplan import serving
 from kvplan.config import PlannerConfig, from_env
 from kvplan.plan import CompressionPlan
-from planner import strategies
+from planner import predict, strategies
 from planner.service import build_service
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
 from tests.planner.fakes import CountingProbe
@@ -202,6 +202,40 @@ async def test_a_probing_strategy_probes_the_jobs_token_ids():
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids:")
         await stub.Plan(_ratio_req(strategy="snapkv", token_ids=list(range(4096))), timeout=5)
         assert len(prober.calls) == 1                                      # snapkv never probes
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_predict_fills_both_figures_for_any_strategy_from_one_repeat_mode_probe():
+    prober = CountingProbe()
+    server, svc, ch, stub = await _planner(prober=prober)
+    ids = list(range(4096))
+    try:
+        want = predict.annotate(CompressionPlan.from_proto(await stub.Plan(_ratio_req(strategy="snapkv"), timeout=5)),
+                                prober.s, SHAPE.num_kv_heads)
+        assert prober.calls == []                                          # no predict: no probe
+        plan = CompressionPlan.from_proto(await stub.Plan(_ratio_req(strategy="snapkv", token_ids=ids, predict=True),
+                                                          timeout=10))
+        assert prober.calls == [(ids, "repeat")]
+        assert plan.predicted_retained_attention == pytest.approx(want.predicted_retained_attention, rel=1e-6)
+        assert plan.predicted_copy_retained_attention == pytest.approx(want.predicted_copy_retained_attention, rel=1e-6)
+        assert 0 < plan.predicted_copy_retained_attention < plan.predicted_retained_attention < 1
+        prober.calls.clear()
+        await stub.Plan(_ratio_req(strategy="auto", token_ids=ids, predict=True), timeout=10)
+        assert prober.calls == [(ids, "repeat")]                           # auto's own probe serves predict
+        prober.calls.clear()
+        await stub.Plan(_ratio_req(strategy="xkv", token_ids=ids, predict=True), timeout=10)
+        assert prober.calls == [(ids, "mean"), (ids, "repeat")]            # xkv probes per KV group
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Plan(_ratio_req(strategy="snapkv", predict=True), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids:")
+        small = planner_pb2.ModelShape(num_layers=4, num_kv_heads=3, num_query_heads=9, head_dim=64)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Plan(_ratio_req(strategy="snapkv", token_ids=ids, predict=True, model=small), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("model:")
+        full = CompressionPlan.from_proto(await stub.Plan(_ratio_req(strategy="full", token_ids=ids, predict=True),
+                                                          timeout=5))
+        assert (full.predicted_retained_attention, full.predicted_copy_retained_attention) == (1.0, 1.0)
     finally:
         await _close(server, svc, ch)
 
