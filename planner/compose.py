@@ -21,7 +21,7 @@ without a codebook.
 
 `predicted_reserve_ratio` = mean over layers of held/l, counted against the native h_kv-head
 cache: kept/l for eviction (in "repeat" mode the executor stores each KV group's union of kept
-tokens plus a small per-head index; kept/l is the planner's estimate of that); codebook layers
+tokens plus a per-head mask; kept/l is the planner's estimate of that); codebook layers
 hold their byte budget exactly; quant layers their kept rows at (bits + 32/g)/16 of fp16 past the
 residual tail; a merged pair one layer's directions plus magnitudes and the retained rows of both.
 `predicted_retained_attention` (probed plans only) = mean over layers of the window attention the

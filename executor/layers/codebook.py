@@ -72,8 +72,6 @@ class CodebookLayer(EvictedLayer):
             cand["head_rank"] = torch.full((hn, len(uniq)), BIG).scatter_(1, inv.view(hn, -1), rk)  # [h_n, U]
             cands.append(cand)
         ks = torch.arange(k_max + 1)
-        n_rows = len(fixed) + ks
-        head_index = heads * n_rows * index_bytes(torch.tensor(max(len(c["uniq"]) for c in cands))) if hn > 1 else 0
         q_win = q[:, -max(1, min(ev.window, q.shape[1])):].float()                        # [H, W, D]
         exact = causal_attention(q_win[None], k[None].float(), v[None].float(), scaling)[0].transpose(0, 1)  # [H, W, D]
 
@@ -81,7 +79,7 @@ class CodebookLayer(EvictedLayer):
         for parts in MODES:
             if parts and not all(any(c["parts"][p]["codes"] is not None for c in cands) for p in parts):
                 continue                                        # nothing to code: same as a smaller mode
-            size = head_index + sum(c["bytes"](ks, parts) for c in cands)
+            size = sum(c["bytes"](ks, parts) + (hn * c["rows"](ks) if hn > 1 else 0) for c in cands)   # + head masks
             fits = torch.nonzero(size <= budget).flatten()
             k_star = int(fits.max()) if len(fits) else 0
             err = self._predicted_error(q_win, exact, cands, k_star, parts, scaling, t)
@@ -150,7 +148,7 @@ class CodebookLayer(EvictedLayer):
                        for name, p in parts.items())
 
         return dict(uniq=pos, k=k, v=v, weight=weight, min_rank=min_rank, parts=parts,
-                    part_bytes=part_bytes, bytes=total)
+                    part_bytes=part_bytes, bytes=total, rows=lambda ks: count(sorted_rank, ks))
 
     @staticmethod
     def _coded(cand: dict, k_star: int, allowed: tuple[str, ...]) -> tuple[str, ...]:

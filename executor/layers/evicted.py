@@ -1,8 +1,9 @@
 """`evicted` cache layer: dense K/V while the context is prefilled, then — right after the
 attention of the context's last chunk — each stored head keeps its own token set: sinks, its
 top-scored context tokens, the observation window. In GQA `repeat` mode each query head
-chooses its own tokens, and the KV group stores the union once plus a small per-head index
-(never h_n dense copies). Tokens added later (question, decode) join every head of their group.
+chooses its own tokens, and the KV group stores the union once plus a per-head bool mask over
+it (never h_n dense copies; a byte per head and row, the form attention takes it in). Tokens
+added later (question, decode) join every head of their group.
 
 Shapes: B = 1; H query heads, H_kv KV heads, h_n = H / H_kv; D head dim."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from executor.layers.full import FullLayer, LayerContext
 from executor.layers.groups import DenseGroup, index_dtype
 from kvplan.plan import Eviction, LayerPlan
 
+MASK_CHUNK = 16     # a `repeat` mask grows by this many columns when decode outgrows it
 KEEP_ALL = Eviction(keep_tokens=1 << 62, window=0, scorer="streaming_llm", gqa_mode="mean")
 
 
@@ -36,7 +38,7 @@ class EvictedLayer(FullLayer):
         if self.eviction.kvcrush is not None:
             kvcrush.check(self.eviction.kvcrush)
         self.groups: list | None = None            # one token store per KV group, after compression
-        self.head_rows: torch.Tensor | None = None  # [H, n] index into the group's tokens (`repeat` mode)
+        self.masks: list[torch.Tensor] | None = None  # per group [h_n, >= U] bool: what each head sees (`repeat`)
         self.prompt_rows = 0                       # n: kept prompt tokens per stored head
         self.acc: torch.Tensor | None = None       # [H, T] H2O accumulated attention (prefill only)
 
@@ -87,15 +89,31 @@ class EvictedLayer(FullLayer):
         for g, group in enumerate(self.groups):
             p, u = self.prompt_counts[g], group.num_tokens
             mask = None
-            if self.head_rows is not None or tq > 1:
-                prompt = torch.ones(hn, p, dtype=torch.bool)
-                if self.head_rows is not None:                                           # `repeat`: own tokens
-                    rows = self.head_rows[g * hn:(g + 1) * hn].long()
-                    prompt = torch.zeros(hn, p, dtype=torch.bool).scatter_(1, rows, True)
+            if self.masks is not None and tq == 1:                                     # decode: own tokens + all later
+                mask = self._grown(g, u)[:, None, :u]
+            elif self.masks is not None or tq > 1:
+                prompt = self.masks[g][:, :p] if self.masks is not None else torch.ones(hn, p, dtype=torch.bool)
                 tail = torch.arange(u - p)[None, :] <= torch.arange(tq)[:, None] + (u - p - tq)   # [Tq, t]
                 mask = torch.cat([prompt[:, None, :].expand(hn, tq, p), tail[None].expand(hn, tq, u - p)], dim=-1)
             outs.append(group.attend(q[0, g * hn:(g + 1) * hn], mask, scaling))           # [h_n, Tq, D]
         return torch.cat(outs).transpose(0, 1)[None].contiguous()
+
+    def _grown(self, g: int, u: int) -> torch.Tensor:
+        """Group g's mask with at least u columns: columns past the prompt are True (tokens added
+        after compression are seen by every head). [h_n, >= u]"""
+        m = self.masks[g]
+        if m.shape[1] < u:
+            m = self.masks[g] = torch.cat([m, m.new_ones(m.shape[0], max(MASK_CHUNK, u - m.shape[1]))], dim=1)
+        return m
+
+    @property
+    def head_rows(self) -> torch.Tensor | None:
+        """[H, n] each query head's kept prompt tokens as indices into its group's rows (`repeat`
+        mode; None otherwise). An inspection view of the masks."""
+        if self.masks is None:
+            return None
+        rows = [torch.nonzero(m[:, :p])[:, 1].view(m.shape[0], -1) for m, p in zip(self.masks, self.prompt_counts)]
+        return torch.cat(rows).to(index_dtype(max(self.prompt_counts)))
 
     def _heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored head's K/V rows, [H_e, n + t, D] (compute dtype): what each head attends
@@ -168,7 +186,8 @@ class EvictedLayer(FullLayer):
             locals_.append(inverse)
             counts.append(len(uniq))
         self.groups, self.prompt_counts, self.prompt_rows = built, counts, kept.rows.shape[1]
-        self.head_rows = torch.cat(locals_).to(index_dtype(max(counts))) if kept.repeat else None
+        self.masks = [torch.zeros(inv.shape[0], c, dtype=torch.bool).scatter_(1, inv, True)
+                      for inv, c in zip(locals_, counts)] if kept.repeat else None
         self.keys = self.values = self.acc = None
 
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
@@ -180,7 +199,7 @@ class EvictedLayer(FullLayer):
         if not self.compressed:
             return super().tensors()
         held = [t for group in self.groups for t in group.tensors()]
-        return held + ([self.head_rows] if self.head_rows is not None else [])
+        return held + (self.masks or [])
 
     def kept_tokens(self) -> int:
         if not self.compressed:

@@ -37,21 +37,42 @@ def _fits(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if index_dtype(n).itemsize <= t.element_size() else t.to(index_dtype(n))
 
 
+ROW_CHUNK = 16      # rows a store grows by when decode outgrows it (held, so counted in its bytes)
+
+
 class DenseGroup:
+    """K/V rows in preallocated storage: decode writes each new row in place and grows the
+    storage ROW_CHUNK rows at a time, instead of copying every row at every step. The spare
+    rows are held memory, so `tensors()` returns them too (at most ROW_CHUNK - 1 per group)."""
     coded = False
 
     def __init__(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype):
         """k_post, v: [U, D] kept rows (post-RoPE keys); pos: [U] their positions."""
-        self.k, self.v = k_post.to(dtype), v.to(dtype)
+        self._k, self._v = k_post.to(dtype), v.to(dtype)                  # [capacity, D]
+        self.n = k_post.shape[0]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:self.n]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:self.n]
 
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[0]
+        return self.n
 
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """k_post, v: [T_new, D]; pos: [T_new]."""
-        self.k = torch.cat([self.k, k_post.to(self.k.dtype)])
-        self.v = torch.cat([self.v, v.to(self.v.dtype)])
+        m = k_post.shape[0]
+        if self.n + m > self._k.shape[0]:
+            grow = max(m, ROW_CHUNK)
+            self._k = torch.cat([self.k, self._k.new_empty(grow, self._k.shape[1])])
+            self._v = torch.cat([self.v, self._v.new_empty(grow, self._v.shape[1])])
+        self._k[self.n:self.n + m] = k_post
+        self._v[self.n:self.n + m] = v
+        self.n += m
 
     def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> post-RoPE K, V: [U, D] in the compute dtype."""
@@ -64,7 +85,7 @@ class DenseGroup:
         return _sdpa(q, k, v, mask, scaling)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
+        return [self._k, self._v]
 
 
 class CodedRows:

@@ -63,6 +63,43 @@ def test_evicted_rows_are_the_full_rows_and_attention_matches_dense_on_them(tiny
             torch.testing.assert_close(got[h], p @ v_heads[e], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gqa", ["mean", "repeat"])
+def test_decode_appends_in_place_and_attention_still_matches_dense(tiny_model, gqa):
+    """40 decode steps — past the stores' and masks' growth chunks — each appended in place: the
+    rows are the appended ones, attention equals dense attention over each head's kept + new
+    rows, and the spare capacity (counted in the bytes) stays under one chunk per group."""
+    from executor.layers.evicted import MASK_CHUNK
+    from executor.layers.groups import ROW_CHUNK
+    ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer="snapkv", gqa_mode=gqa, pool_kernel=3)
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
+    hq, hk, d = tiny_model.num_query_heads, tiny_model.num_kv_heads, 16
+    layer, gen = cache.layers[0], torch.Generator().manual_seed(0)
+    base = [g.num_tokens for g in layer.groups]
+    new_k, new_v = [], []
+    for step in range(40):
+        k, v = torch.randn(1, hk, 1, d, generator=gen), torch.randn(1, hk, 1, d, generator=gen)
+        layer.update(k, v)
+        new_k.append(k), new_v.append(v)
+        if step % 13 == 12 or step == 39:
+            k_heads, v_heads = layer._heads(torch.float32)                # [H_e, n + t, D]
+            assert k_heads.shape[1] == 30 + step + 1
+            q = torch.randn(1, hq, 1, d, generator=gen)
+            got = layer.attend(q, None, None, 0.25)[0, 0]
+            for h in range(hq):
+                e = h if k_heads.shape[0] == hq else h // (hq // hk)
+                p = torch.softmax((q[0, h, 0] @ k_heads[e].T) * 0.25, -1)
+                torch.testing.assert_close(got[h], p @ v_heads[e], rtol=1e-5, atol=1e-5)
+    for g, group in enumerate(layer.groups):
+        want = torch.cat([x[0, g] for x in new_k]).half()                  # [40, D]
+        assert torch.equal(group.k[base[g]:], want) and group.num_tokens == base[g] + 40
+        assert group._k.shape[0] - group.num_tokens < ROW_CHUNK
+    if gqa == "repeat":
+        assert all(m.shape[1] - g.num_tokens < MASK_CHUNK and m[:, base[i]:g.num_tokens].all()
+                   for i, (m, g) in enumerate(zip(layer.masks, layer.groups)))
+    lb = cache.layer_bytes()[0]
+    assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
+
+
 def test_keeping_everything_reproduces_the_full_cache_run(tiny_model):
     """A compressed layer that keeps every token must decode exactly like the full cache: checks
     the after-compression attention path, its masks and the question prefill over it."""
@@ -74,7 +111,7 @@ def test_keeping_everything_reproduces_the_full_cache_run(tiny_model):
     assert [x.kept_tokens for x in kept.layers] == [x.kept_tokens for x in full.layers]
 
 
-def test_repeat_mode_stores_each_groups_union_once_plus_a_small_index(tiny_model):
+def test_repeat_mode_stores_each_groups_union_once_plus_a_per_head_mask(tiny_model):
     ev = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat")
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
     for lb, layer in zip(cache.layer_bytes(), cache.layers):
@@ -82,7 +119,8 @@ def test_repeat_mode_stores_each_groups_union_once_plus_a_small_index(tiny_model
         union = sum(g.num_tokens for g in layer.groups)
         assert union <= tiny_model.num_kv_heads * 2 * 28                  # at most h_n distinct sets
         assert layer.head_rows.dtype == torch.uint8 and layer.head_rows.shape == (4, 28)
-        assert lb.kv_bytes == union * 2 * 16 * 2 + 4 * 28                  # K+V fp16 rows + uint8 index
+        assert all(m.dtype == torch.bool and int(m.sum()) == 2 * 28 for m in layer.masks)   # 28 per head
+        assert lb.kv_bytes == union * 2 * 16 * 2 + 2 * union               # K+V fp16 rows + a byte per head and row
         assert lb.full_kv_bytes == 2 * 90 * 2 * 16 * 2
 
 
