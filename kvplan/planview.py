@@ -56,12 +56,11 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
     ids = _tokenize(path, prompt) if prompt is not None else None
     probe = None
     if ids:
-        from planner.probe import Prober, once
+        from planner.probe import Prober, in_mode, once
         probe = once(Prober(mcfg).probe, ids)
-    mode = s.probe_mode
     inp = PlanInput(job_id="cli", strategy=s.name, prompt_tokens=len(ids) if ids is not None else tokens,
                     model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens,
-                    probe=(lambda **kw: probe(**{"gqa_mode": mode, **kw})) if probe and mode else None)
+                    probe=in_mode(probe, s.probe_mode) if probe and s.probe_mode else None)
     try:
         plan = s.plan(inp, "local")
     except InvalidRequest as e:
@@ -69,8 +68,8 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
             raise BadInput(f"--prompt-file: strategy {s.name} probes the prompt: give --prompt-file") from None
         raise BadInput(str(e)) from None
     if predict and ids:
-        from planner.predict import annotate
-        plan = annotate(plan, probe(gqa_mode="repeat"), shape.num_kv_heads)
+        from planner.predict import from_probe
+        plan = from_probe(plan, probe, shape)
     return dataclasses.replace(plan, strategy=s.name, strategy_version=s.version), inp.prompt_tokens
 
 

@@ -27,6 +27,7 @@ import torch
 from executor import scoring
 from kvplan.plan import CompressionPlan, Eviction
 from planner.probe import ProbeStats
+from planner.request import InvalidRequest, ModelShape
 
 COPY = 16   # tokens after an attended one that a copied answer may run over
 
@@ -71,6 +72,17 @@ def annotate(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: int) -> Com
     `predict` request gets, whatever the strategy)."""
     return dataclasses.replace(plan, predicted_retained_attention=retained_attention(plan, stats, num_kv_heads),
                                predicted_copy_retained_attention=copy_retained_attention(plan, stats, num_kv_heads))
+
+
+def from_probe(plan: CompressionPlan, probe, model: ModelShape) -> CompressionPlan:
+    """`annotate` from the job's lazy probe (`planner.probe.once`), run in `repeat` mode; the
+    probed model must have the plan's shape (else InvalidRequest on `model`)."""
+    stats = probe(gqa_mode="repeat")
+    got = stats.window_scores.shape[:2]
+    if tuple(got) != (model.num_layers, model.num_query_heads):
+        raise InvalidRequest("model", f"the planner's model has {got[0]} layers x {got[1]} query heads, "
+                                      f"the request says {model.num_layers} x {model.num_query_heads}")
+    return annotate(plan, stats, model.num_kv_heads)
 
 
 def _mean_over_layers(plan: CompressionPlan, stats: ProbeStats, layer: Callable[[Eviction, np.ndarray], float]) -> float:

@@ -66,8 +66,9 @@ class ProbeStats:
 
 def once(run, token_ids: list[int], on_probe=None):
     """One job's lazy probe of its token ids: `probe(gqa_mode=..., losses=...)` calls
-    `run(token_ids, gqa_mode=..., losses=...)` (a `Prober.probe`) at most once per GQA mode (a result with losses serves a later call without
-    them); `on_probe()` is called before each real probe. -> the callable"""
+    `run(token_ids, gqa_mode=..., losses=...)` (a `Prober.probe`) at most once per GQA mode (a
+    result with losses serves a later call without them); `on_probe()` is called before each
+    real probe. -> the callable"""
     done: dict[str, ProbeStats] = {}
 
     def probe(gqa_mode: str = "repeat", losses: bool = False) -> ProbeStats:
@@ -78,6 +79,11 @@ def once(run, token_ids: list[int], on_probe=None):
             got = done[gqa_mode] = run(token_ids, gqa_mode=gqa_mode, losses=losses)
         return got
     return probe
+
+
+def in_mode(probe, gqa_mode: str):
+    """`probe` (from `once`) with the GQA mode a strategy probes in fixed: what `PlanInput.probe` takes."""
+    return lambda **kw: probe(**{"gqa_mode": gqa_mode, **kw})
 
 
 def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from prometheus_client import Counter
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
 from planner import predict, profiles, request
-from planner.probe import once
+from planner.probe import in_mode, once
 from planner.active import open_active
 from planner.strategies import STRATEGIES, Strategy, build, parse
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
@@ -51,7 +51,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             inp, pending = await self._probing(strategy, inp, probe)
             plan = await asyncio.to_thread(strategy.plan, inp, f"plan-{uuid.uuid4().hex[:12]}")
             if req.predict:
-                plan = await asyncio.to_thread(_predicted, plan, probe, inp.model)
+                plan = await asyncio.to_thread(predict.from_probe, plan, probe, inp.model)
         except request.InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if pending and pending[1]:                      # a profile's sampled job probed: learn its shares
@@ -131,8 +131,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         is nothing to learn."""
         if not strategy.probe_mode:
             return inp, None
-        mode = strategy.probe_mode
-        inp = dataclasses.replace(inp, probe=(lambda **kw: probe(**{"gqa_mode": mode, **kw})) if probe else None)
+        inp = dataclasses.replace(inp, probe=in_mode(probe, strategy.probe_mode) if probe else None)
         if not inp.profile:
             return inp, None
         m = inp.model
@@ -189,16 +188,6 @@ def _known(strategies) -> str:
 
 def _info(s: Strategy, active: str) -> planner_pb2.StrategyInfo:
     return planner_pb2.StrategyInfo(name=s.name, version=s.version, description=s.description, active=s.name == active)
-
-
-def _predicted(plan, probe, model: request.ModelShape):
-    """The plan with both retained-attention figures from a `repeat`-mode probe of its prompt."""
-    stats = probe(gqa_mode="repeat")
-    got = stats.window_scores.shape[:2]
-    if tuple(got) != (model.num_layers, model.num_query_heads):
-        raise request.InvalidRequest("model", f"the planner's model has {got[0]} layers x {got[1]} query heads, "
-                                              f"the request says {model.num_layers} x {model.num_query_heads}")
-    return predict.annotate(plan, stats, model.num_kv_heads)
 
 
 def build_service(cfg: PlannerConfig, prober=None) -> Service:

@@ -187,7 +187,7 @@ class EvictedLayer(FullLayer):
             counts.append(len(uniq))
         self.groups, self.prompt_counts, self.prompt_rows = built, counts, kept.rows.shape[1]
         self.masks = [torch.zeros(inv.shape[0], c, dtype=torch.bool).scatter_(1, inv, True)
-                      for inv, c in zip(locals_, counts)] if kept.repeat else None
+                      for inv, c in zip(locals_, counts)] if hn > 1 else None   # one head per group: all seen
         self.keys = self.values = self.acc = None
 
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
