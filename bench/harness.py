@@ -91,11 +91,14 @@ class Harness:
         """The copy-aware yardstick (`planner.predict.copy_retained_attention`)."""
         return copy_retained_attention(plan, self.probe(ids), self.lm.num_kv_heads)
 
-    def plan(self, strategy: str, ids: list[int] | int, ratio: float) -> CompressionPlan:
-        """ids: the context's token ids (probing strategies need them) or just its length."""
+    def plan(self, strategy: str, ids: list[int] | int, ratio: float, suffix_tokens: int = 0,
+             new_tokens: int = 0) -> CompressionPlan:
+        """ids: the context's token ids (probing strategies need them) or just its length;
+        suffix_tokens, new_tokens: what the job adds after them, as the executor tells the planner."""
         n = ids if isinstance(ids, int) else len(ids)
         probe = None if isinstance(ids, int) else (lambda **kw: self.probe(ids, **kw))
-        inp = PlanInput("bench", strategy, n, self.shape, reserve_ratio=ratio, probe=probe)
+        inp = PlanInput("bench", strategy, n, self.shape, reserve_ratio=ratio, probe=probe,
+                        suffix_tokens=suffix_tokens, new_tokens=new_tokens)
         return STRATEGIES[strategy].plan(inp, f"bench-{strategy}-{ratio:g}")
 
     def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int,
@@ -105,7 +108,7 @@ class Harness:
         plan chunks the prompt alike starts there, the others prefill everything. `plan`: the
         strategy's plan of this prompt when the caller already made it. Offload plans: `store`
         the job's cachestore handle (None: in process), fitted to `ratio` as a job's budget."""
-        plan = plan or self.plan(strategy, list(prompt.context_ids), ratio)
+        plan = plan or self.plan(strategy, list(prompt.context_ids), ratio, len(prompt.question_ids), max_new_tokens)
         return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix,
                                store=store, budget=ratio, measure_recall=measure_recall)
 

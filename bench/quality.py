@@ -87,7 +87,7 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
         prompt = h.prompt(case.context, case.question, mode)
         prefix = h.runner.prefix_of(prompt)        # the leading chunks, once for every run of this prompt
         for strategy, ratio in jobs:
-            plan = h.plan(strategy, list(prompt.context_ids), ratio)     # once: run and yardstick
+            plan = h.plan(strategy, list(prompt.context_ids), ratio, len(prompt.question_ids), new_tokens)  # run + yardstick
             res = h.run(prompt, strategy, ratio, new_tokens, prefix, plan, measure_recall=plan.offload.enabled)
             evicts = any(lp.kind != "full" for lp in plan.layers)     # else the plan keeps every token's K/V
             predicted = h.predicted_retained(plan, list(prompt.context_ids)) if evicts else plan.predicted_retained_attention
@@ -160,7 +160,7 @@ def fidelity(h: Harness, jobs, tokens: int, length: int) -> list[dict]:
     forced = ref.argmax(-1).tolist()
     rows = []
     for strategy, ratio in tqdm(jobs, file=sys.stderr, desc="fidelity", dynamic_ncols=True):
-        logits, cache = h.forced_logits(prompt, h.plan(strategy, ids, ratio), forced)
+        logits, cache = h.forced_logits(prompt, h.plan(strategy, ids, ratio, 0, tokens), forced)
         top1, kl = agreement(ref, logits)
         rows.append(dict(strategy=strategy, requested_ratio=ratio, measured_ratio=measured_ratio(cache),
                          top1=top1, kl=kl, tokens=tokens, document_tokens=len(ids)))

@@ -82,7 +82,7 @@ def compress_timer():
 
 def one_run(h: Harness, prompt: Prompt, strategy: str, ratio: float, new_tokens: int, open_store=None) -> dict:
     """open_store(max_tokens) -> a job's cachestore handle for offload plans (None: in process)."""
-    plan = h.plan(strategy, list(prompt.context_ids), ratio)
+    plan = h.plan(strategy, list(prompt.context_ids), ratio, len(prompt.question_ids), new_tokens)
     store = open_store(prompt.num_tokens + new_tokens) if plan.offload.enabled and open_store else None
     try:
         with compress_timer() as log:

@@ -43,11 +43,14 @@ class PlannerClient:
         return [s.name for s in got.strategies]
 
     async def plan(self, job_id: str, tenant: str, strategy: str, budget: common_pb2.Budget, profile: str,
-                   prompt_tokens: int, lm: LoadedModel, token_ids: list[int] | None = None) -> PlanOutcome:
-        """token_ids: the context's ids (prompt_tokens of them), for strategies that probe the prompt."""
+                   prompt_tokens: int, lm: LoadedModel, token_ids: list[int] | None = None,
+                   suffix_tokens: int = 0, new_tokens: int = 0) -> PlanOutcome:
+        """token_ids: the context's ids (prompt_tokens of them), for strategies that probe the
+        prompt; suffix_tokens, new_tokens: the rows the job adds after it (the budget holds them)."""
         req = planner_pb2.PlanRequest(
             job_id=job_id, tenant=tenant, strategy=strategy, budget=budget, profile=profile,
             prompt_tokens=prompt_tokens, token_ids=token_ids or [],
+            suffix_tokens=suffix_tokens, new_tokens=new_tokens,
             model=planner_pb2.ModelShape(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
                                          num_query_heads=lm.num_query_heads, head_dim=lm.head_dim,
                                          fingerprint=lm.fingerprint))

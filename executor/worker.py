@@ -120,7 +120,8 @@ class Worker:
         prompt = prompts.build(lm.tokenizer, checked.messages, req.question)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
         outcome = await self.planner.plan(claim.job_id, req.tenant, req.strategy, req.budget, req.profile,
-                                          len(prompt.context_ids), lm, prompt.context_ids)
+                                          len(prompt.context_ids), lm, prompt.context_ids,
+                                          len(prompt.question_ids), checked.max_new_tokens)
         sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed)
 
         loop = asyncio.get_running_loop()

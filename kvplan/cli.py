@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     prompt = pl.add_mutually_exclusive_group()
     prompt.add_argument("--tokens", type=int, default=2048, help="prompt length without a prompt file (2048)")
     prompt.add_argument("--prompt-file", type=Path, help="tokenize this prompt (probing strategies probe it here)")
+    pl.add_argument("--new-tokens", type=int, default=0,
+                    help="tokens the job will generate: the budget holds their rows too (default 0: the prompt's cache)")
     pl.add_argument("--predict", action="store_true",
                     help="probe the prompt file (any strategy) for the plan's predicted retained attention "
                          "and its copy-aware form")
@@ -230,7 +232,7 @@ def _plan(args, mcfg: ModelConfig) -> int:
             args.prompt = None
             text = _read_prompt(args)
         plan, prompt_tokens = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens, text,
-                                             args.predict)
+                                             args.predict, args.new_tokens)
     except planview.BadInput as e:
         raise UsageError(str(e)) from None
     print(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))

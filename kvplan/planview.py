@@ -40,7 +40,7 @@ def strategy(spec: str):
 
 
 def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | None, tokens: int,
-         prompt: str | None, predict: bool = False) -> tuple[CompressionPlan, int]:
+         prompt: str | None, predict: bool = False, new_tokens: int = 0) -> tuple[CompressionPlan, int]:
     """-> (the plan, the prompt's tokens)."""
     from planner.request import InvalidRequest, PlanInput
     s = strategy(spec)
@@ -50,6 +50,8 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
         raise BadInput(f"--kv-tokens: must be >= 1, got {kv_tokens}")
     if tokens < 1:
         raise BadInput(f"--tokens: must be >= 1, got {tokens}")
+    if new_tokens < 0:
+        raise BadInput(f"--new-tokens: must be >= 0, got {new_tokens}")
     if predict and prompt is None:
         raise BadInput("--predict: probes the prompt: give --prompt-file")
     shape, path = _shape(mcfg)
@@ -60,6 +62,7 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
         probe = once(Prober(mcfg).probe, ids)
     inp = PlanInput(job_id="cli", strategy=s.name, prompt_tokens=len(ids) if ids is not None else tokens,
                     model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens,
+                    new_tokens=new_tokens,
                     probe=in_mode(probe, s.probe_mode) if probe and s.probe_mode else None)
     try:
         plan = s.plan(inp, "local")

@@ -3,10 +3,11 @@
 Budget reading (the executor's contract): `Eviction.keep_tokens` is context tokens kept per
 stored head, excluding the `sink_tokens` first and the `window` last prompt tokens, which are
 always kept. A job's budget of r·l tokens (or kv_tokens N, i.e. r = N/l) is that whole
-per-head count: sinks + window + keep_tokens, on average over layers, but never less than
-the window (a budget below it keeps the window, and the predicted ratio says so). A budget
-that holds the whole prompt (r >= 1) gives the full plan; a layer that would evict nothing
-gets no Eviction.
+per-head count: sinks + window + keep_tokens, on average over layers, less what the rows the
+job adds after its prompt will hold (`planner.budget`: a question prefilled after compression,
+the generated tokens, their stores' spare rows), but never less than the window (a budget
+below it keeps the window, and the predicted ratio says so). A budget that holds the whole
+prompt (r >= 1) gives the full plan; a layer that would evict nothing gets no Eviction.
 
 Allocations (`allocation`) split the context budget over layers: `uniform` and `pyramid`
 (planner/allocation.py) from the budget alone; `xkv` (planner/xkv.py) splits the same total as
@@ -39,6 +40,7 @@ from executor import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
+from planner.budget import context_ratio, row_cost
 from planner.definition import Definition
 from planner.request import InvalidRequest, PlanInput
 
@@ -100,13 +102,21 @@ class Composed:
         return offload_budget.fit(part, inp.target_ratio, inp.prompt_tokens, 0, inp.model.head_dim)
 
     def budgets(self, inp: PlanInput) -> Budgets:
-        e, l, m, r = self.d.eviction, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
+        e, l, m = self.d.eviction, inp.prompt_tokens, inp.model.num_layers
+        r = context_ratio(inp, self.added_row_cost(inp))      # the prompt's share once the added rows are paid
         budget = min(l, math.floor(r * l + 1e-9))             # kept tokens per stored head, layer average
         sinks = min(e.sink_tokens, budget)
         window = budget - sinks if e.window is None else e.window
         if self.d.allocation == "xkv":
-            return _xkv(inp, sinks, window)
+            return _xkv(inp, r, sinks, window)
         return Budgets(ALLOCATIONS[self.d.allocation](r, l, sinks + window, m), sinks, window)
+
+    def added_row_cost(self, inp: PlanInput) -> float:
+        """What a row the job adds after its prompt costs against a dense row (`planner.budget`)."""
+        shape = inp.model
+        hn = shape.num_query_heads // shape.num_kv_heads
+        repeat = self.d.eviction is not None and self.d.eviction.gqa_mode == "repeat" and hn > 1
+        return row_cost(shape.head_dim, mask_bytes=hn if repeat else 0, coded_bytes=12 if self.d.codebook else 0)
 
     def _eviction(self, keep: int, sinks: int, window: int, l: int) -> Eviction | None:
         if sinks + window + keep >= l:   # nothing would be evicted: no scoring, no index
@@ -153,10 +163,11 @@ def _held(lp: LayerPlan, l: int) -> float:
     return kept
 
 
-def _xkv(inp: PlanInput, sinks: int, window: int) -> Budgets:
-    """XKV: the uniform allocation's total context budget, split over layers by the probe's
-    window scores (or the profile's shares). Floor 1 per layer where the total allows it."""
-    l, m, r = inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
+def _xkv(inp: PlanInput, r: float, sinks: int, window: int) -> Budgets:
+    """XKV: the uniform allocation's total context budget (at the prompt's share r), split over
+    layers by the probe's window scores (or the profile's shares). Floor 1 per layer where the
+    total allows it."""
+    l, m = inp.prompt_tokens, inp.model.num_layers
     l_c = max(0, l - sinks - window)
     total = int(uniform_keep_counts(r, l, sinks + window, m).sum())
     floor = 1 if total >= m else 0

@@ -40,6 +40,9 @@ class PlanInput:
     layer_shares: tuple[float, ...] | None = None       # the job's profile's per-layer budget shares [m]: plan
                                                         # from these instead of probing
     learn: Callable[[np.ndarray], None] | None = None   # told the shares [m] a probed allocation chose
+    suffix_tokens: int = 0         # tokens prefilled after compression (a query_agnostic question)
+    new_tokens: int = 0            # most tokens the job generates; the budget holds these rows too
+                                   # (planner.budget)
 
     @property
     def target_ratio(self) -> float:
@@ -73,6 +76,9 @@ def parse(req: planner_pb2.PlanRequest, strategy: str) -> PlanInput:
         raise InvalidRequest("model.num_query_heads", "must be a multiple of model.num_kv_heads")
     if req.prompt_tokens < 0:
         raise InvalidRequest("prompt_tokens", f"must be >= 0, got {req.prompt_tokens}")
+    for name in ("suffix_tokens", "new_tokens"):
+        if getattr(req, name) < 0:
+            raise InvalidRequest(name, f"must be >= 0, got {getattr(req, name)}")
     if req.token_ids and len(req.token_ids) != req.prompt_tokens:
         raise InvalidRequest("token_ids", f"has {len(req.token_ids)} ids, prompt_tokens says {req.prompt_tokens}")
     ratio, tokens = validate_budget(req.budget)
@@ -80,4 +86,5 @@ def parse(req: planner_pb2.PlanRequest, strategy: str) -> PlanInput:
         job_id=req.job_id, strategy=strategy, prompt_tokens=int(req.prompt_tokens),
         model=ModelShape(m.num_layers, m.num_kv_heads, m.num_query_heads, m.head_dim, m.fingerprint),
         reserve_ratio=ratio, kv_tokens=tokens, profile=req.profile, tenant=req.tenant,
+        suffix_tokens=int(req.suffix_tokens), new_tokens=int(req.new_tokens),
     )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/planner.proto\x12\tkvplan.v1\x1a\x13protos/common.proto\"v\n\nModelShape\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x17\n\x0fnum_query_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\xd4\x01\n\x0bPlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12!\n\x06\x62udget\x18\x04 \x01(\x0b\x32\x11.kvplan.v1.Budget\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x03\x12$\n\x05model\x18\x06 \x01(\x0b\x32\x15.kvplan.v1.ModelShape\x12\x0f\n\x07profile\x18\x07 \x01(\t\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0f\n\x07predict\x18\t \x01(\x08\"\x17\n\x15ListStrategiesRequest\"R\n\x0cStrategyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x08\"K\n\x0cStrategyList\x12+\n\nstrategies\x18\x01 \x03(\x0b\x32\x17.kvplan.v1.StrategyInfo\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\t\"6\n\x12SetStrategyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndefinition\x18\x02 \x01(\t2\xd9\x01\n\x07Planner\x12:\n\x04Plan\x12\x16.kvplan.v1.PlanRequest\x1a\x1a.kvplan.v1.CompressionPlan\x12K\n\x0eListStrategies\x12 .kvplan.v1.ListStrategiesRequest\x1a\x17.kvplan.v1.StrategyList\x12\x45\n\x0bSetStrategy\x12\x1d.kvplan.v1.SetStrategyRequest\x1a\x17.kvplan.v1.StrategyInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/planner.proto\x12\tkvplan.v1\x1a\x13protos/common.proto\"v\n\nModelShape\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x17\n\x0fnum_query_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\xff\x01\n\x0bPlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12!\n\x06\x62udget\x18\x04 \x01(\x0b\x32\x11.kvplan.v1.Budget\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x03\x12$\n\x05model\x18\x06 \x01(\x0b\x32\x15.kvplan.v1.ModelShape\x12\x0f\n\x07profile\x18\x07 \x01(\t\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0f\n\x07predict\x18\t \x01(\x08\x12\x15\n\rsuffix_tokens\x18\n \x01(\x03\x12\x12\n\nnew_tokens\x18\x0b \x01(\x05\"\x17\n\x15ListStrategiesRequest\"R\n\x0cStrategyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x08\"K\n\x0cStrategyList\x12+\n\nstrategies\x18\x01 \x03(\x0b\x32\x17.kvplan.v1.StrategyInfo\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\t\"6\n\x12SetStrategyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndefinition\x18\x02 \x01(\t2\xd9\x01\n\x07Planner\x12:\n\x04Plan\x12\x16.kvplan.v1.PlanRequest\x1a\x1a.kvplan.v1.CompressionPlan\x12K\n\x0eListStrategies\x12 .kvplan.v1.ListStrategiesRequest\x1a\x17.kvplan.v1.StrategyList\x12\x45\n\x0bSetStrategy\x12\x1d.kvplan.v1.SetStrategyRequest\x1a\x17.kvplan.v1.StrategyInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSHAPE']._serialized_start=56
   _globals['_MODELSHAPE']._serialized_end=174
   _globals['_PLANREQUEST']._serialized_start=177
-  _globals['_PLANREQUEST']._serialized_end=389
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=391
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=414
-  _globals['_STRATEGYINFO']._serialized_start=416
-  _globals['_STRATEGYINFO']._serialized_end=498
-  _globals['_STRATEGYLIST']._serialized_start=500
-  _globals['_STRATEGYLIST']._serialized_end=575
-  _globals['_SETSTRATEGYREQUEST']._serialized_start=577
-  _globals['_SETSTRATEGYREQUEST']._serialized_end=631
-  _globals['_PLANNER']._serialized_start=634
-  _globals['_PLANNER']._serialized_end=851
+  _globals['_PLANREQUEST']._serialized_end=432
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=434
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=457
+  _globals['_STRATEGYINFO']._serialized_start=459
+  _globals['_STRATEGYINFO']._serialized_end=541
+  _globals['_STRATEGYLIST']._serialized_start=543
+  _globals['_STRATEGYLIST']._serialized_end=618
+  _globals['_SETSTRATEGYREQUEST']._serialized_start=620
+  _globals['_SETSTRATEGYREQUEST']._serialized_end=674
+  _globals['_PLANNER']._serialized_start=677
+  _globals['_PLANNER']._serialized_end=894
 # @@protoc_insertion_point(module_scope)

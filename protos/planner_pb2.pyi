@@ -22,7 +22,7 @@ class ModelShape(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict")
+    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class PlanRequest(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREDICT_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tenant: str
     strategy: str
@@ -41,7 +43,9 @@ class PlanRequest(_message.Message):
     profile: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     predict: bool
-    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ...) -> None: ...
+    suffix_tokens: int
+    new_tokens: int
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ...) -> None: ...
 
 class ListStrategiesRequest(_message.Message):
     __slots__ = ()

@@ -40,6 +40,23 @@ def _fits(t: torch.Tensor, n: int) -> torch.Tensor:
 ROW_CHUNK = 16      # rows a store grows by when decode outgrows it (held, so counted in its bytes)
 
 
+def grown(capacity: int, used: int, m: int, chunk: int = ROW_CHUNK) -> int:
+    """A store's capacity after `m` rows join `used` of `capacity`: unchanged while they fit,
+    else grown by max(m, chunk) past the used rows (DenseGroup rows, `repeat` mask columns)."""
+    return capacity if used + m <= capacity else used + max(m, chunk)
+
+
+def held_after(appends: list[int], chunk: int = ROW_CHUNK) -> list[int]:
+    """Rows held past an exactly sized store's first rows after each of `appends` (row counts):
+    what a job's added rows cost, spare capacity included.  -> [len(appends)]"""
+    held, used, out = 0, 0, []
+    for m in appends:
+        held = grown(held, used, m, chunk)
+        used += m
+        out.append(held)
+    return out
+
+
 class DenseGroup:
     """K/V rows in preallocated storage: decode writes each new row in place and grows the
     storage ROW_CHUNK rows at a time, instead of copying every row at every step. The spare
@@ -66,10 +83,10 @@ class DenseGroup:
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """k_post, v: [T_new, D]; pos: [T_new]."""
         m = k_post.shape[0]
-        if self.n + m > self._k.shape[0]:
-            grow = max(m, ROW_CHUNK)
-            self._k = torch.cat([self.k, self._k.new_empty(grow, self._k.shape[1])])
-            self._v = torch.cat([self.v, self._v.new_empty(grow, self._v.shape[1])])
+        cap = grown(self._k.shape[0], self.n, m)
+        if cap > self._k.shape[0]:
+            self._k = torch.cat([self.k, self._k.new_empty(cap - self.n, self._k.shape[1])])
+            self._v = torch.cat([self.v, self._v.new_empty(cap - self.n, self._v.shape[1])])
         self._k[self.n:self.n + m] = k_post
         self._v[self.n:self.n + m] = v
         self.n += m

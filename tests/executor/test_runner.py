@@ -1,4 +1,5 @@
 """The runner: chunked prefill is exact, greedy decoding is the model's argmax, cancel stops it."""
+import pytest
 import torch
 
 from executor.prompt import Prompt
@@ -79,3 +80,25 @@ def test_a_shared_prefix_gives_the_same_run_as_a_full_prefill(tiny_model):
     h2o = _evict_plan(tiny_model.num_layers, "h2o")
     assert not prefix.seeds(runner.new_cache(h2o), [(0, 32), (32, 64), (64, 100)])   # H2O scores the prefix
     assert runner.run(prompt, h2o, Sampling(8), prefix=prefix).token_ids == runner.run(prompt, h2o, Sampling(8)).token_ids
+
+
+@pytest.mark.parametrize("strategy", ["streaming_llm", "h2o", "snapkv", "pyramidkv", "spindlekv"])
+def test_a_plan_told_the_added_rows_holds_its_ratio_to_the_jobs_last_token(tiny_model, strategy):
+    """The budget covers what the job adds after its prompt (question, decode rows, spare store
+    rows: planner.budget): measured on the tensors at the end, the job is within its ratio; the
+    same plan made for the prompt alone is not."""
+    from planner.request import ModelShape, PlanInput
+    from planner.strategies import STRATEGIES
+    lm = tiny_model
+    shape = ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
+    runner = Runner(lm, torch.float16, prefill_chunk=64)
+    prompt = Prompt(list(range(1000, 1180)), list(range(2000, 2007)))
+    ratios = {}
+    for told in (True, False):
+        inp = PlanInput("j", strategy, len(prompt.context_ids), shape, reserve_ratio=0.5,
+                        suffix_tokens=len(prompt.question_ids) if told else 0, new_tokens=20 if told else 0)
+        res = runner.run(prompt, STRATEGIES[strategy].plan(inp, "p"), Sampling(20, seed=0))
+        assert sum(x.full_kv_bytes for x in res.layers) == lm.num_layers * lm.num_kv_heads * 2 * lm.head_dim * 2 * (
+            prompt.num_tokens + len(res.token_ids) - 1)            # the last token is never fed back
+        ratios[told] = sum(x.kv_bytes for x in res.layers) / sum(x.full_kv_bytes for x in res.layers)
+    assert ratios[True] <= 0.5 < ratios[False]

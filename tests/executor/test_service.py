@@ -161,11 +161,12 @@ def test_every_strategy_runs_a_real_job_through_grpc(client, name):
         # minicache merges only the layer pairs the probe finds alike; SmolLM2's adjacent layers
         # are nearly orthogonal (mean cosine -0.1..0.2), so its plan here is the full cache
         assert r.reserve_ratio == 1.0 and all(x.kind == "full" for x in r.per_layer)
-    else:      # ~300 context tokens at 0.5: the cache holds well under the full bytes
-        assert r.reserve_ratio < 0.8, [(x.kind, x.kept_tokens) for x in r.per_layer]
+    else:      # the executor tells the planner the question and the answer's length: the job's
+        # cache, measured after its last token, holds its ratio (planner.budget)
+        assert r.reserve_ratio <= 0.5, [(x.kind, x.kept_tokens) for x in r.per_layer]
     if name.startswith("specache"):      # the embedded cachestore shares this host: shared memory
         assert r.offload.transport == "shm" and r.offload.host_kv_bytes > r.kv_bytes
         assert 0 < r.offload.in_time + r.offload.late <= r.offload.prefetches
-        assert all(x.kind == "offload" for x in r.per_layer) and r.reserve_ratio <= 0.5
+        assert all(x.kind == "offload" for x in r.per_layer)
     else:
         assert not r.HasField("offload")

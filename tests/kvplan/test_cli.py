@@ -132,6 +132,19 @@ def test_plan_json_is_the_protos_json_form(real_shape, capsys):
     assert got["layers"][3]["eviction"]["pool_kernel"] == 7
 
 
+def test_plan_new_tokens_keeps_what_the_answer_leaves_of_the_budget(real_shape, capsys):
+    args = ["plan", "--strategy", "snapkv", "--ratio", "0.5", "--tokens", "1000", "--json"]
+    assert cli.main(args) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--new-tokens", "32"]) == 0
+    told = json.loads(capsys.readouterr().out)
+    keep = lambda p: [int(lp["eviction"]["keep_tokens"]) for lp in p["layers"]]
+    # 500 per head alone; with 32 new tokens the worst step is the 17th (32 rows held): 476
+    assert set(keep(alone)) == {500 - 32} and set(keep(told)) == {476 - 32}      # the window of 32 apart
+    assert cli.main(args + ["--new-tokens", "-1"]) == 2
+    assert "--new-tokens: must be >= 0" in capsys.readouterr().err
+
+
 def test_plan_minicache_shows_the_merged_pairs(real_shape, tmp_path, capsys):
     f = tmp_path / "m.yaml"                      # ungated: the shipped preset probes to choose its pairs
     f.write_text("name: m\nmerge: {min_cos: null}\n")

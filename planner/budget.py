@@ -1,0 +1,54 @@
+"""A job's budget over its whole life: the reserve ratio (or `kv_tokens`) bounds what the cache
+holds after the prompt and at every later token, so the rows a job adds after its compressed
+prompt come out of the same budget as the prompt's kept tokens. Those rows — a query_agnostic
+question prefilled in one step, then one row per generated token — are stored dense, in stores
+that grow ROW_CHUNK rows at a time (`executor.layers.groups.held_after`: spare rows are held
+and counted), so the prompt gets what is left at the worst step:
+
+    ratio r:     kept <= r·l + min_j (r·a_j − c·h_j)
+    kv_tokens N: kept <= N − c·max_j h_j
+
+over the steps j (a_j rows added so far, h_j rows held for them; a_0 = h_0 = 0), with c the
+bytes of one added row against a dense fp16 K+V row (`row_cost`). A job that adds nothing
+keeps r·l, as before; measured at any token, the job holds at most r of the full cache of
+its tokens."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from executor.layers.groups import held_after
+from planner.request import PlanInput
+
+
+def row_cost(head_dim: int, mask_bytes: int = 0, coded_bytes: int = 0) -> float:
+    """One added row's bytes per KV group against a dense fp16 K+V row (4·D bytes): a `repeat`
+    layer adds a mask byte per query head of the group, a codebook layer up to an index, a
+    magnitude and a position more (when the row extends its codebook)."""
+    return 1.0 + (mask_bytes + coded_bytes) / (4 * head_dim)
+
+
+def added_steps(inp: PlanInput) -> list[int]:
+    """The rows each later step of the job adds: the question in one, then one per new token."""
+    return ([inp.suffix_tokens] if inp.suffix_tokens > 0 else []) + [1] * inp.new_tokens
+
+
+def context_ratio(inp: PlanInput, cost: float = 1.0) -> float:
+    """The share of the prompt's tokens a plan may keep per stored head (layer average), in whole
+    tokens: the job's own ratio when it adds nothing after the prompt."""
+    if not added_steps(inp):
+        return inp.target_ratio
+    return math.floor(context_tokens(inp, cost) + 1e-9) / max(1, inp.prompt_tokens)
+
+
+def context_tokens(inp: PlanInput, cost: float = 1.0) -> float:
+    """Prompt tokens per stored head (layer average) the plan may keep; at most the prompt."""
+    steps = added_steps(inp)
+    added = np.cumsum([0, *steps], dtype=np.float64)                  # [S + 1]
+    held = cost * np.array([0, *held_after(steps)], dtype=np.float64)  # [S + 1]
+    l = inp.prompt_tokens
+    if inp.reserve_ratio is not None:
+        r = inp.reserve_ratio
+        return float(np.clip(r * l + np.min(r * added - held), 0.0, l))
+    return float(np.clip(inp.kv_tokens - held.max(), 0.0, l))
