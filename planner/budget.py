@@ -22,6 +22,10 @@ from executor.layers.groups import held_after
 from planner.request import PlanInput
 
 
+CODED_ROW_BYTES = 12   # a codebook layer's added row at worst, past its dense bytes: K and V each a new
+                       # entry (their dense size) + an int16 index + an fp16 magnitude, + the key's int32 position
+
+
 def row_cost(head_dim: int, mask_bytes: int = 0, coded_bytes: int = 0) -> float:
     """One added row's bytes per KV group against a dense fp16 K+V row (4·D bytes): a `repeat`
     layer adds a mask byte per query head of the group, a codebook layer up to an index, a

@@ -40,7 +40,7 @@ from executor import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
-from planner.budget import context_ratio, row_cost
+from planner.budget import CODED_ROW_BYTES, context_ratio, row_cost
 from planner.definition import Definition
 from planner.request import InvalidRequest, PlanInput
 
@@ -116,7 +116,7 @@ class Composed:
         shape = inp.model
         hn = shape.num_query_heads // shape.num_kv_heads
         repeat = self.d.eviction is not None and self.d.eviction.gqa_mode == "repeat" and hn > 1
-        return row_cost(shape.head_dim, mask_bytes=hn if repeat else 0, coded_bytes=12 if self.d.codebook else 0)
+        return row_cost(shape.head_dim, mask_bytes=hn if repeat else 0, coded_bytes=CODED_ROW_BYTES if self.d.codebook else 0)
 
     def _eviction(self, keep: int, sinks: int, window: int, l: int) -> Eviction | None:
         if sinks + window + keep >= l:   # nothing would be evicted: no scoring, no index

@@ -15,10 +15,9 @@ import torch
 from executor import kvcrush, scoring
 from executor.attention import causal_attention
 from executor.layers.full import FullLayer, LayerContext
-from executor.layers.groups import DenseGroup, index_dtype
+from executor.layers.groups import DenseGroup, grown, index_dtype
 from kvplan.plan import Eviction, LayerPlan
 
-MASK_CHUNK = 16     # a `repeat` mask grows by this many columns when decode outgrows it
 KEEP_ALL = Eviction(keep_tokens=1 << 62, window=0, scorer="streaming_llm", gqa_mode="mean")
 
 
@@ -38,7 +37,8 @@ class EvictedLayer(FullLayer):
         if self.eviction.kvcrush is not None:
             kvcrush.check(self.eviction.kvcrush)
         self.groups: list | None = None            # one token store per KV group, after compression
-        self.masks: list[torch.Tensor] | None = None  # per group [h_n, >= U] bool: what each head sees (`repeat`)
+        self.masks: list[torch.Tensor] | None = None  # per group [h_n, >= U] bool: what each head sees (`repeat`);
+                                                      # grown like a DenseGroup's rows (`groups.grown`)
         self.prompt_rows = 0                       # n: kept prompt tokens per stored head
         self.acc: torch.Tensor | None = None       # [H, T] H2O accumulated attention (prefill only)
 
@@ -58,6 +58,8 @@ class EvictedLayer(FullLayer):
             return super().update(key_states, value_states)
         pos = torch.arange(self.tokens_seen, self.tokens_seen + key_states.shape[-2])
         for g, group in enumerate(self.groups):
+            if self.masks is not None:
+                self._grow_mask(g, group.num_tokens, len(pos))
             group.append(key_states[0, g], value_states[0, g], pos)
         self.tokens_seen += key_states.shape[-2]
         return key_states, value_states
@@ -90,7 +92,7 @@ class EvictedLayer(FullLayer):
             p, u = self.prompt_counts[g], group.num_tokens
             mask = None
             if self.masks is not None and tq == 1:                                     # decode: own tokens + all later
-                mask = self._grown(g, u)[:, None, :u]
+                mask = self.masks[g][:, None, :u]
             elif self.masks is not None or tq > 1:
                 prompt = self.masks[g][:, :p] if self.masks is not None else torch.ones(hn, p, dtype=torch.bool)
                 tail = torch.arange(u - p)[None, :] <= torch.arange(tq)[:, None] + (u - p - tq)   # [Tq, t]
@@ -98,13 +100,14 @@ class EvictedLayer(FullLayer):
             outs.append(group.attend(q[0, g * hn:(g + 1) * hn], mask, scaling))           # [h_n, Tq, D]
         return torch.cat(outs).transpose(0, 1)[None].contiguous()
 
-    def _grown(self, g: int, u: int) -> torch.Tensor:
-        """Group g's mask with at least u columns: columns past the prompt are True (tokens added
-        after compression are seen by every head). [h_n, >= u]"""
-        m = self.masks[g]
-        if m.shape[1] < u:
-            m = self.masks[g] = torch.cat([m, m.new_ones(m.shape[0], max(MASK_CHUNK, u - m.shape[1]))], dim=1)
-        return m
+    def _grow_mask(self, g: int, used: int, m: int) -> None:
+        """Room in group g's mask for m tokens joining its `used` rows, by the rows' own growth
+        rule (so the bytes it holds are the ones `planner.budget` reserves): the new columns are
+        True (tokens added after compression are seen by every head)."""
+        mask = self.masks[g]
+        cols = grown(mask.shape[1], used, m)
+        if cols > mask.shape[1]:
+            self.masks[g] = torch.cat([mask, mask.new_ones(mask.shape[0], cols - mask.shape[1])], dim=1)
 
     @property
     def head_rows(self) -> torch.Tensor | None:

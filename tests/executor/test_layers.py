@@ -68,7 +68,6 @@ def test_decode_appends_in_place_and_attention_still_matches_dense(tiny_model, g
     """40 decode steps — past the stores' and masks' growth chunks — each appended in place: the
     rows are the appended ones, attention equals dense attention over each head's kept + new
     rows, and the spare capacity (counted in the bytes) stays under one chunk per group."""
-    from executor.layers.evicted import MASK_CHUNK
     from executor.layers.groups import ROW_CHUNK
     ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer="snapkv", gqa_mode=gqa, pool_kernel=3)
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
@@ -94,7 +93,8 @@ def test_decode_appends_in_place_and_attention_still_matches_dense(tiny_model, g
         assert torch.equal(group.k[base[g]:], want) and group.num_tokens == base[g] + 40
         assert group._k.shape[0] - group.num_tokens < ROW_CHUNK
     if gqa == "repeat":
-        assert all(m.shape[1] - g.num_tokens < MASK_CHUNK and m[:, base[i]:g.num_tokens].all()
+        assert all(m.shape[1] - g.num_tokens < ROW_CHUNK and m[:, base[i]:g.num_tokens].all()
+                   and m.shape[1] == g._k.shape[0]                      # the mask grows with the rows
                    for i, (m, g) in enumerate(zip(layer.masks, layer.groups)))
     lb = cache.layer_bytes()[0]
     assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
