@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON, pow2_at_least, require_triton, tl, triton
-from kernels.quant import BITS, PARAM_DTYPE, X_DTYPES, _code_table, per_byte
+from kernels.quant import BITS, PARAM_DTYPE, X_DTYPES, per_byte, unpack_codes
 
 if HAS_TRITON:
 
@@ -120,14 +120,14 @@ def lowbit_scores_reference(
     zero: torch.Tensor,     # [H, n, D] fp16
     bits: int,
 ) -> torch.Tensor:          # [H, R, n·g] fp32
-    """What the kernel computes, in plain torch: the codes unpacked once (an embedding lookup of
-    a [256, P] table) and one batched matmul per (head, group) with the scale-folded query.
+    """What the kernel computes, in plain torch: the codes unpacked once (`unpack_codes`)
+    and one batched matmul per (head, group) with the scale-folded query.
     Arguments as `check_scores_args` accepts them (the dispatch checks; not again here)."""
     g = codes.shape[3] * per_byte(bits)
     h, r, d = q.shape
     n = codes.shape[1]
     qf = q.float()
-    code = torch.nn.functional.embedding(codes.int(), _code_table(bits, codes.device)).view(h, n, d, g)   # [H, n, D, g]
+    code = unpack_codes(codes, bits)                                                         # [H, n, D, g]
     qs = qf[:, None] * scale.float()[:, :, None]                                            # [H, n, R, D]
     scores = torch.matmul(qs, code)                                                          # [H, n, R, g]
     bias = torch.einsum("hrd,hnd->hnr", qf, zero.float())                                   # [H, n, R]

@@ -289,13 +289,22 @@ def unpack_dequantize_reference(
     group_size: int,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:          # [N, L] out_dtype
-    """What the kernel computes, in plain torch: each byte's P codes from a [256, P] table (an
-    embedding lookup: ~3x faster on CPU than indexing the table), then code * scale + zero per group."""
+    """What the kernel computes, in plain torch: the codes unpacked (`unpack_codes`), then
+    code * scale + zero per group."""
     n = codes.shape[0]
-    q = torch.nn.functional.embedding(codes.int(), _code_table(bits, codes.device))   # [N, L / P, P] fp32
-    q = q.view(n, scale.shape[1], group_size)                                    # [N, G, g]
+    q = unpack_codes(codes, bits).view(n, scale.shape[1], group_size)          # [N, G, g] fp32
     x = torch.addcmul(zero.float()[..., None], q, scale.float()[..., None])
     return x.view(n, scale.shape[1] * group_size).to(out_dtype)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., B] uint8 -> [..., B·P] fp32, the P codes of each byte low bits first. Below 8
+    bits each byte's codes come from a [256, P] table (an embedding lookup: ~3x faster on CPU than
+    indexing the table); at 8 bits a byte is its code (a plain conversion, ~80x faster than the lookup)."""
+    if bits == 8:
+        return codes.float()
+    q = torch.nn.functional.embedding(codes.int(), _code_table(bits, codes.device))   # [..., B, P]
+    return q.view(*codes.shape[:-1], codes.shape[-1] * per_byte(bits))
 
 
 _TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}

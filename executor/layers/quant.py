@@ -23,8 +23,7 @@ import torch
 
 from executor.layers.evicted import EvictedLayer
 from executor.layers.full import LayerContext
-from executor.layers.groups import _sdpa
-from kernels import quantize_pack, unpack_dequantize
+from kernels import lowbit_scores, quantize_pack, unpack_dequantize
 from kvplan.plan import LayerPlan, Quant
 
 LAYER_BITS = (2, 4, 8)      # what a plan may ask of a layer (the kernels also do 1 bit, for SpeCache)
@@ -113,9 +112,23 @@ class QuantGroup:
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
-        -> [h_n, Tq, D]."""
-        k, v = self.materialize(q.dtype)
-        return _sdpa(q, k, v, mask, scaling)
+        -> [h_n, Tq, D] (fp32 math, q's dtype out).
+
+        The quantized keys are scored straight from their codes (`kernels.lowbit_scores`: the
+        scale folded into the query, the zero into one bias per group; no dequantized K, no
+        transpose of the per-channel layout), the tail's exactly; the quantized values are
+        dequantized per token (contiguous rows) for the weighted sum."""
+        h, tq, d = q.shape
+        rows = q.reshape(1, h * tq, d).float()                                                      # [1, R, D]
+        scores = torch.cat([lowbit_scores(rows, self.k_codes[None], self.k_scale[None], self.k_zero[None], self.bits)[0],
+                            rows[0] @ self.k_tail.float().T], dim=1).mul_(scaling)                  # [R, U]
+        if mask is not None:
+            scores = scores.view(h, tq, -1).masked_fill(~mask, float("-inf")).view(h * tq, -1)
+        p = scores.softmax(dim=-1)                                                                  # [R, U]
+        quantized = self.quantized_tokens
+        v = unpack_dequantize(self.v_codes, self.v_scale, self.v_zero, self.bits, self.v_group, torch.float32)  # [Q, D]
+        out = torch.addmm(p[:, quantized:] @ self.v_tail.float(), p[:, :quantized], v)             # [R, D]
+        return out.view(h, tq, d).to(q.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,

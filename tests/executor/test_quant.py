@@ -79,6 +79,27 @@ def test_eight_bit_attention_is_close_to_dense_attention(tiny_model):
         assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("tq", [1, 3])
+def test_attention_from_the_codes_equals_attention_over_the_dequantized_rows(bits, tq):
+    """attend scores keys straight from their codes and weights dequantized values; the same as
+    SDPA over `materialize()`'s rows, with a per-head mask and with none, tail included."""
+    gen = torch.Generator().manual_seed(bits)
+    k, v = torch.randn(83, D, generator=gen), torch.randn(83, D, generator=gen)
+    group = QuantGroup(k, v, Quant(bits=bits, group_size=32, residual=8), torch.float16)
+    assert group.quantized_tokens == 64 and group.k_tail.shape[0] == 19
+    q = torch.randn(3, tq, D, generator=gen)
+    kd, vd = group.materialize(torch.float32)
+    mask = torch.rand(3, tq, 83, generator=gen) > 0.4
+    mask[..., -1] = True
+    for m in (None, mask):
+        want = torch.nn.functional.scaled_dot_product_attention(q, kd[None].expand(3, -1, -1), vd[None].expand(3, -1, -1),
+                                                                attn_mask=m, scale=0.25)
+        got = group.attend(q, m, 0.25)
+        assert got.shape == (3, tq, D) and got.dtype == q.dtype
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_eight_bit_quant_decodes_like_the_full_cache(tiny_model):
     from kvplan.plan import full_plan
     prompt = Prompt(CONTEXT, QUESTION)
