@@ -54,6 +54,9 @@ def pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.avg_pool1d(scores[:, None], k, stride=1, padding=k // 2, count_include_pad=False)[:, 0]
 
 
+SPAN_TIE_BREAK = 2.0 ** -20     # relative score step per token behind a run's peak (fp32 resolves it)
+
+
 def spread(scores: torch.Tensor, span: int) -> torch.Tensor:
     """Copy span [ours]: scores [H, T] -> [H, T], each token scored as high as the best of itself
     and the `span` tokens before it (a causal max filter; 0 = unchanged).
@@ -62,10 +65,19 @@ def spread(scores: torch.Tensor, span: int) -> torch.Tensor:
     of a number, the first word of a name); decoding then copies it token by token, each step
     reading the token after the one it just read (an induction step). Pooling is symmetric and
     keeps only a few tokens past the peak, so the copy runs off the end of what was kept (the
-    answer comes out truncated). Letting a peak cover the next `span` tokens keeps the run."""
+    answer comes out truncated). Letting a peak cover the next `span` tokens keeps the run.
+
+    A run's tokens would tie at the peak's score, and where a budget ends inside a run `topk`
+    picks among ties in no set order, so a cut run kept scattered tokens. Each token is instead
+    scored a relative `SPAN_TIE_BREAK` lower per token it lies behind its peak: a cut run keeps
+    its first tokens, the ones a copy reads first, and runs of different peaks keep their order."""
     if span <= 0 or scores.shape[-1] == 0:
         return scores
-    return F.max_pool1d(F.pad(scores[:, None], (span, 0), value=float("-inf")), span + 1, stride=1)[:, 0]
+    padded = F.pad(scores[:, None], (span, 0), value=float("-inf"))                   # [H, 1, span + T]
+    peak, at = F.max_pool1d(padded, span + 1, stride=1, return_indices=True)         # [H, 1, T] each
+    peak, at = peak[:, 0], at[:, 0]
+    behind = torch.arange(scores.shape[-1], device=scores.device) + span - at         # [H, T] in 0..span
+    return torch.where(peak.isfinite(), peak - behind * SPAN_TIE_BREAK * peak.abs(), peak)
 
 
 def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
