@@ -23,6 +23,8 @@ import math
 import numpy as np
 
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
+from executor.layers.groups import held_after
+from planner.budget import added_steps
 from planner.choice import choose
 from planner.probe import QUANT_GROUP, SINKS, SPAN, POOL
 from planner.request import InvalidRequest, PlanInput
@@ -41,12 +43,25 @@ def token_bytes(bits: int, head_dim: int) -> float:
 
 
 def layer_bytes(tokens: float, bits: int, head_dim: int) -> float:
-    """Most bytes one KV head holds for `tokens` kept tokens at `bits`: a quant layer keeps up
-    to RESIDUAL + QUANT_GROUP - 1 newest tokens in the storage dtype, the rest quantized."""
+    """Bytes one KV head holds for `tokens` stored tokens at `bits`: a quant layer quantizes
+    whole groups of QUANT_GROUP while at least RESIDUAL newest tokens stay in the storage dtype
+    (`executor.layers.quant`), so its tail holds RESIDUAL..RESIDUAL + QUANT_GROUP - 1 of them."""
     if bits == 16:
         return tokens * token_bytes(16, head_dim)
-    tail = min(tokens, RESIDUAL + QUANT_GROUP - 1)
+    tail = tokens if tokens < RESIDUAL + QUANT_GROUP else RESIDUAL + (tokens - RESIDUAL) % QUANT_GROUP
     return tail * token_bytes(16, head_dim) + (tokens - tail) * token_bytes(bits, head_dim)
+
+
+def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, held: np.ndarray,
+                   evicted: bool) -> np.ndarray:
+    """Most bytes one KV head holds at each step of the job (`planner.budget`): its `kept`
+    prompt tokens plus the rows added so far — a quant layer takes them into its tail and
+    quantizes whole groups as before, a full layer grows by exactly its rows, an evicted
+    fp16 layer by `held` (its stores grow ROW_CHUNK rows at a time).
+    added, held: [S + 1] rows added / held after each step (0 first) -> [S + 1] bytes."""
+    if bits != 16:
+        return np.array([layer_bytes(kept + a, bits, head_dim) for a in added])
+    return (kept + (held if evicted else added)) * token_bytes(16, head_dim)
 
 
 def strategy(d):
@@ -71,9 +86,18 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     kept = sinks + window + np.rint(lo.fractions * n_ctx)                                   # [F] tokens per KV head
     options = [(fi, bi) for bi in range(len(lo.bits)) for fi in range(len(lo.fractions))]
     loss = np.array([[lo.evict[i, fi] + lo.quant[i, bi] for fi, bi in options] for i in range(m)])   # [m, O]
-    cost = np.array([[hk * layer_bytes(kept[fi], int(lo.bits[bi]), d) for fi, bi in options]] * m)   # [m, O]
-    full = m * hk * l * token_bytes(16, d)
-    got = choose(loss, cost, r * full)
+    # The budget holds at every step of the job: at step j the cache may hold r·(l + a_j) dense
+    # rows per head (kv_tokens N: N rows), so an option costs its bytes at its worst step less
+    # what the rows added by then bring (summing each layer's worst step is an upper bound).
+    steps = added_steps(inp)
+    added = np.cumsum([0, *steps], dtype=np.float64)                                         # [S + 1]
+    held = np.array([0, *held_after(steps)], dtype=np.float64)                               # [S + 1]
+    row = token_bytes(16, d)
+    rate, base = (r, r * l) if inp.reserve_ratio is not None else (0.0, float(inp.kv_tokens))
+    by_step = np.stack([hk * lifetime_bytes(kept[fi], int(lo.bits[bi]), d, added, held, kept[fi] < l)
+                        for fi, bi in options])                                             # [O, S + 1]
+    cost = np.array([(by_step - hk * rate * added * row).max(1)] * m)                       # [m, O]
+    got = choose(loss, cost, m * hk * base * row)
     layers, retained = [], []
     for i, o in enumerate(got.option):
         fi, bi = options[o]
@@ -84,7 +108,9 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
         layers.append(LayerPlan(layer=i, eviction=ev,
                                 quant=None if bits == 16 else Quant(bits=bits, group_size=QUANT_GROUP, residual=RESIDUAL)))
         retained.append(lo.retained[i, fi])
+    worst = (by_step[got.option].sum(0)
+             / (m * hk * (l + added) * row)).max()                                          # the job's most, as a ratio
     return CompressionPlan(plan_id=plan_id, strategy=inp.strategy, layers=tuple(layers),
                            model_fingerprint=inp.model.fingerprint,
-                           predicted_reserve_ratio=float(got.bytes / full),
+                           predicted_reserve_ratio=float(worst),
                            predicted_retained_attention=float(np.mean(retained)))

@@ -5,19 +5,23 @@ import numpy as np
 import pytest
 import torch
 
+from executor.layers.quant import QuantGroup
 from executor.prompt import Prompt
+from kvplan.plan import Quant
 from executor.runner import Runner
 from planner import auto
-from planner.probe import Losses, Prober, ProbeStats
+from planner.auto import RESIDUAL
+from planner.probe import QUANT_GROUP, Losses, Prober, ProbeStats
 from planner.request import InvalidRequest, ModelShape, PlanInput
 
 TOKENS = list(range(1000, 1200))      # 200 context tokens
 
 
-def _input(lm, ratio, probe):
+def _input(lm, ratio, probe, new_tokens=0, kv_tokens=None):
     shape = ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
-    return PlanInput(job_id="j", strategy="auto", prompt_tokens=len(TOKENS), model=shape, reserve_ratio=ratio,
-                     probe=probe)
+    budget = dict(reserve_ratio=ratio) if kv_tokens is None else dict(kv_tokens=kv_tokens)
+    return PlanInput(job_id="j", strategy="auto", prompt_tokens=len(TOKENS), model=shape, probe=probe,
+                     new_tokens=new_tokens, **budget)
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.3])
@@ -33,6 +37,46 @@ def test_auto_plan_fits_its_budget_in_the_bytes_the_cache_holds(tiny_model, rati
     held = sum(b.kv_bytes for b in cache.layer_bytes())
     full = sum(b.full_kv_bytes for b in cache.layer_bytes())
     assert held / full <= plan.predicted_reserve_ratio + 1e-9      # the cost model is an upper bound
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_layer_bytes_are_the_quant_stores_bytes(bits):
+    """The cost model against the store itself: one KV head of head dim 64 holding t tokens,
+    appended in odd steps past the tail's flush points (RESIDUAL + QUANT_GROUP = 64)."""
+    torch.manual_seed(0)
+    store, t = QuantGroup(torch.randn(5, 64), torch.randn(5, 64), Quant(bits, QUANT_GROUP, RESIDUAL), torch.float16), 5
+    for step in [1, 30, 27, 1, 2, 31, 33, 64, 7]:
+        store.append(torch.randn(step, 64), torch.randn(step, 64), torch.arange(step))
+        t += step
+        assert sum(x.nbytes for x in store.tensors()) == pytest.approx(auto.layer_bytes(t, bits, 64)), t
+
+
+def _held_ratio(cache) -> float:
+    return sum(b.kv_bytes for b in cache.layer_bytes()) / sum(b.full_kv_bytes for b in cache.layer_bytes())
+
+
+@pytest.mark.parametrize("ratio,kv_tokens", [(0.4, None), (0.25, None), (None, 60)])
+def test_the_budget_holds_at_every_decode_step(tiny_model, ratio, kv_tokens):
+    """The rows a job generates come out of its budget: measured after the prompt and after
+    every one of its new tokens, the cache holds at most the plan's predicted worst ratio, and
+    that at most the requested one (kv_tokens N: N dense rows per head)."""
+    new = 24          # the tightest budget still fits sinks + window + these rows in every layer
+    prober = Prober(lm=tiny_model, window=8)
+    plan = auto.plan(_input(tiny_model, ratio, lambda **kw: prober.probe(TOKENS, "mean", **kw), new, kv_tokens), "p")
+    assert any(lp.quant is not None or lp.eviction is not None for lp in plan.layers)
+    runner = Runner(tiny_model, torch.float16)
+    cache = runner.new_cache(plan)
+    seen = []
+    with torch.inference_mode():
+        logits = runner._prefill(Prompt(TOKENS, []), cache, lambda *a: None, lambda: False)
+        seen.append(_held_ratio(cache))
+        for step in range(1, new + 1):
+            logits, _ = runner.decode_step(int(logits.argmax()), len(TOKENS) + step - 1, cache, step, None)
+            seen.append(_held_ratio(cache))
+    assert max(seen) <= plan.predicted_reserve_ratio + 1e-9
+    for i, got in enumerate(seen):
+        limit = ratio if kv_tokens is None else kv_tokens / (len(TOKENS) + i)
+        assert got <= limit + 1e-9, (i, got, limit)
 
 
 def test_bytes_go_to_the_layer_that_loses_most():
