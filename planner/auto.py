@@ -24,7 +24,7 @@ import numpy as np
 
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from executor.layers.groups import held_after
-from planner.budget import added_steps
+from planner.budget import added_steps, fits_full
 from planner.choice import choose
 from planner.probe import QUANT_GROUP, SINKS, SPAN, POOL
 from planner.request import InvalidRequest, PlanInput
@@ -74,7 +74,7 @@ def strategy(d):
 def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     m, hk, d = inp.model.num_layers, inp.model.num_kv_heads, inp.model.head_dim
     l, r = inp.prompt_tokens, inp.target_ratio
-    if l == 0 or r >= 1.0:
+    if l == 0 or fits_full(inp):
         return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
     if inp.probe is None:
         raise InvalidRequest("token_ids", f"strategy {inp.strategy!r} probes the prompt: send token_ids")

@@ -38,6 +38,14 @@ def added_steps(inp: PlanInput) -> list[int]:
     return ([inp.suffix_tokens] if inp.suffix_tokens > 0 else []) + [1] * inp.new_tokens
 
 
+def fits_full(inp: PlanInput) -> bool:
+    """Whether the uncompressed cache stays within the job's budget at every step: a reserve
+    ratio of 1, or kv_tokens N at least the prompt plus every row the job adds."""
+    if inp.reserve_ratio is not None:
+        return inp.reserve_ratio >= 1.0
+    return inp.kv_tokens >= inp.prompt_tokens + sum(added_steps(inp))
+
+
 def context_ratio(inp: PlanInput, cost: float = 1.0) -> float:
     """The share of the prompt's tokens a plan may keep per stored head (layer average), in whole
     tokens: the job's own ratio when it adds nothing after the prompt."""

@@ -7,7 +7,8 @@ per-head count: sinks + window + keep_tokens, on average over layers, less what 
 job adds after its prompt will hold (`planner.budget`: a question prefilled after compression,
 the generated tokens, their stores' spare rows), but never less than the window (a budget
 below it keeps the window, and the predicted ratio says so). A budget that holds the whole
-prompt (r >= 1) gives the full plan; a layer that would evict nothing gets no Eviction.
+cache at every step (r >= 1, or kv_tokens for the prompt and every added row:
+`planner.budget.fits_full`) gives the full plan; a layer that would evict nothing gets no Eviction.
 
 Allocations (`allocation`) split the context budget over layers: `uniform` and `pyramid`
 (planner/allocation.py) from the budget alone; `xkv` (planner/xkv.py) splits the same total as
@@ -40,7 +41,7 @@ from executor import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
-from planner.budget import CODED_ROW_BYTES, context_ratio, row_cost
+from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, row_cost
 from planner.definition import Definition
 from planner.request import InvalidRequest, PlanInput
 
@@ -65,8 +66,8 @@ class Composed:
         return "repeat" if self.d.merge and self.d.merge.min_cos is not None else None
 
     def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
-        d, l, m, r = self.d, inp.prompt_tokens, inp.model.num_layers, inp.target_ratio
-        if l == 0 or r >= 1.0 or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
+        d, l, m = self.d, inp.prompt_tokens, inp.model.num_layers
+        if l == 0 or fits_full(inp) or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
             return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
         b = self.budgets(inp) if d.eviction else None
         pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}

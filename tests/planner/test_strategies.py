@@ -137,6 +137,17 @@ def test_a_budget_holding_the_prompt_compresses_nothing(name, budget):
     assert [lp.kind for lp in p.layers] == ["full"] * 30 and p.predicted_reserve_ratio == 1.0
 
 
+@pytest.mark.parametrize("name", EVICTING + PROBING)
+def test_kv_tokens_for_the_prompt_but_not_the_new_rows_still_compresses(name):
+    """kv_tokens 4106 holds the 4096-token prompt but not its 32 generated rows: the plan keeps
+    at most 4106 - 32 (the rows those tokens hold) per head on average, so it evicts."""
+    inp = PlanInput(job_id="j", strategy=name, prompt_tokens=4096, model=SHAPE, kv_tokens=4106, new_tokens=32,
+                    probe=lambda **kw: STATS)
+    p = STRATEGIES[name].plan(inp, "plan-1")
+    assert any(ev is not None for ev in evictions(p))
+    assert p.predicted_reserve_ratio * 4096 <= 4106 - 32 + 1e-6
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_an_empty_prompt_gets_the_full_plan(name):
     p = plan(name, prompt=0)
