@@ -150,15 +150,19 @@ def cachestore_for_bench(h: Harness):
 
 def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sample: float) -> dict:
     """The planner's cost next to the job it plans, same prompt, same run: a per-request probe
-    (mini-prefill, `planner.probe`) against full KV's prefill, and in profile mode the added
+    (mini-prefill, `planner.probe`) against full KV's prefill of the prompt, the two timed in
+    turn `repeats` times (medians), and in profile mode the added
     latency per job against the job's latency (full KV prefill + decode). In profile mode every
     job is planned from the profile's learned shares; the sampled ones are also probed, beside
     the job (planner/service.py), so only a profile's first job waits for a probe."""
     from planner.probe import Prober
     from planner.request import PlanInput
     prober = Prober(lm=h.lm)
-    probes = [prober.probe(ids, "mean") for _ in range(repeats)]
-    probe_s = statistics.median(p.seconds for p in probes)
+    probes, prefills = [], []
+    for _ in range(repeats):            # interleaved with full KV prefills: a drift in the machine's speed hits both
+        probes.append(prober.probe(ids, "mean"))
+        prefills.append(one_run(h, Prompt(ids, []), "full", 1.0, 1)["prefill_s"])
+    probe_s, prefill_s = statistics.median(p.seconds for p in probes), statistics.median(prefills)
     learned = []
     inp = PlanInput("bench", "xkv", len(ids), h.shape, reserve_ratio=0.5,
                     probe=lambda **kw: probes[-1], learn=learned.append)       # the shares a profile would learn
@@ -168,7 +172,7 @@ def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sampl
     for _ in range(20):
         STRATEGIES["xkv"].plan(shares, "from-shares")
     plan_s = (time.perf_counter() - t0) / 20
-    return overhead_row(len(ids), probe_s, full["prefill_s"], full["prefill_s"] + full["decode_s"], plan_s, sample)
+    return overhead_row(len(ids), probe_s, prefill_s, full["prefill_s"] + full["decode_s"], plan_s, sample)
 
 
 def overhead_row(tokens: int, probe_s: float, prefill_s: float, job_s: float, plan_s: float, sample: float) -> dict:

@@ -94,15 +94,17 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
 
 
 def similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Generator) -> float:
-    """x [H_kv, T, D] -> share of (sampled row, other row) pairs with cosine > theta."""
+    """x [H_kv, T, D] -> share of (row, other row) pairs with cosine > theta, over `sample`
+    sampled rows against 4·`sample` sampled rows (every pair when T is that small)."""
     hk, t, _ = x.shape
     if t < 2:
         return 0.0
     xn = F.normalize(x.float(), dim=-1)
     rows = torch.randperm(t, generator=gen)[:min(sample, t)]                                  # [S]
-    cos = torch.einsum("hsd,htd->hst", xn[:, rows], xn)                                       # [H_kv, S, T]
-    cos[:, torch.arange(len(rows)), rows] = -2.0                                              # not itself
-    return float((cos > theta).float().sum() / (hk * len(rows) * (t - 1)))
+    cols = torch.randperm(t, generator=gen)[:min(4 * sample, t)]                              # [C]
+    cos = torch.einsum("hsd,hcd->hsc", xn[:, rows], xn[:, cols])                              # [H_kv, S, C]
+    other = rows[:, None] != cols[None, :]                                                    # [S, C] not itself
+    return float(((cos > theta) & other).float().sum() / (hk * other.sum()))
 
 
 def angle(a: torch.Tensor, b: torch.Tensor) -> float:

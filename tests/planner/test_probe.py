@@ -71,6 +71,19 @@ def test_similarity_and_angles_match_direct_computations(tiny_model):
     assert 0.0 <= stats.v_angle[0] <= 1.0
 
 
+def test_similar_share_samples_both_sides_of_a_long_prompt():
+    """T past 4·sample: rows and columns are both sampled; the estimate stays near the exact
+    share (here a quarter of the rows are near copies of one direction: exact ≈ 0.06)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3000, 16, generator=gen)
+    x[:, ::4] = torch.ones(16) + 0.01 * torch.randn(2, 750, 16, generator=gen)
+    xn = F.normalize(x, dim=-1)
+    cos = xn @ xn.transpose(1, 2)
+    exact = float((cos > 0.9)[:, ~torch.eye(3000, dtype=torch.bool)].float().mean())
+    for seed in range(3):       # the probe's default sample: 256 rows x 1024 columns
+        assert similar_share(x, 0.9, 256, torch.Generator().manual_seed(seed)) == pytest.approx(exact, abs=0.02)
+
+
 def test_statistics_worked_examples():
     gen = torch.Generator().manual_seed(0)
     x = torch.tensor([[[1.0, 0.0], [1.0, 0.01], [0.0, 1.0]]])                   # rows 0, 1 nearly parallel
