@@ -23,8 +23,7 @@ import math
 import numpy as np
 
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
-from executor.layers.groups import held_after
-from planner.budget import added_steps, fits_full
+from planner.budget import fits_full, step_rows
 from planner.choice import choose
 from planner.probe import QUANT_GROUP, SINKS, SPAN, POOL
 from planner.request import InvalidRequest, PlanInput
@@ -42,13 +41,14 @@ def token_bytes(bits: int, head_dim: int) -> float:
     return k + v
 
 
-def layer_bytes(tokens: float, bits: int, head_dim: int) -> float:
-    """Bytes one KV head holds for `tokens` stored tokens at `bits`: a quant layer quantizes
-    whole groups of QUANT_GROUP while at least RESIDUAL newest tokens stay in the storage dtype
-    (`executor.layers.quant`), so its tail holds RESIDUAL..RESIDUAL + QUANT_GROUP - 1 of them."""
+def layer_bytes(tokens, bits: int, head_dim: int):
+    """Bytes one KV head holds for `tokens` stored tokens (a number or an array of them) at
+    `bits`: a quant layer quantizes whole groups of QUANT_GROUP while at least RESIDUAL newest
+    tokens stay in the storage dtype (`executor.layers.quant`), so its tail holds
+    RESIDUAL..RESIDUAL + QUANT_GROUP - 1 of them."""
     if bits == 16:
         return tokens * token_bytes(16, head_dim)
-    tail = tokens if tokens < RESIDUAL + QUANT_GROUP else RESIDUAL + (tokens - RESIDUAL) % QUANT_GROUP
+    tail = np.where(tokens < RESIDUAL + QUANT_GROUP, tokens, RESIDUAL + (tokens - RESIDUAL) % QUANT_GROUP)
     return tail * token_bytes(16, head_dim) + (tokens - tail) * token_bytes(bits, head_dim)
 
 
@@ -60,7 +60,7 @@ def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, hel
     fp16 layer by `held` (its stores grow ROW_CHUNK rows at a time).
     added, held: [S + 1] rows added / held after each step (0 first) -> [S + 1] bytes."""
     if bits != 16:
-        return np.array([layer_bytes(kept + a, bits, head_dim) for a in added])
+        return layer_bytes(kept + added, bits, head_dim)
     return (kept + (held if evicted else added)) * token_bytes(16, head_dim)
 
 
@@ -89,9 +89,7 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     # The budget holds at every step of the job: at step j the cache may hold r·(l + a_j) dense
     # rows per head (kv_tokens N: N rows), so an option costs its bytes at its worst step less
     # what the rows added by then bring (summing each layer's worst step is an upper bound).
-    steps = added_steps(inp)
-    added = np.cumsum([0, *steps], dtype=np.float64)                                         # [S + 1]
-    held = np.array([0, *held_after(steps)], dtype=np.float64)                               # [S + 1]
+    added, held = step_rows(inp)                                                             # [S + 1] each
     row = token_bytes(16, d)
     rate, base = (r, r * l) if inp.reserve_ratio is not None else (0.0, float(inp.kv_tokens))
     by_step = np.stack([hk * lifetime_bytes(kept[fi], int(lo.bits[bi]), d, added, held, kept[fi] < l)

@@ -54,11 +54,18 @@ def context_ratio(inp: PlanInput, cost: float = 1.0) -> float:
     return math.floor(context_tokens(inp, cost) + 1e-9) / max(1, inp.prompt_tokens)
 
 
+def step_rows(inp: PlanInput) -> tuple[np.ndarray, np.ndarray]:
+    """-> (added, held), each [S + 1]: the rows the job has added after each step and the rows
+    its dense stores hold for them (`held_after`), 0 before the first step."""
+    steps = added_steps(inp)
+    return (np.cumsum([0, *steps], dtype=np.float64),
+            np.array([0, *held_after(steps)], dtype=np.float64))
+
+
 def context_tokens(inp: PlanInput, cost: float = 1.0) -> float:
     """Prompt tokens per stored head (layer average) the plan may keep; at most the prompt."""
-    steps = added_steps(inp)
-    added = np.cumsum([0, *steps], dtype=np.float64)                  # [S + 1]
-    held = cost * np.array([0, *held_after(steps)], dtype=np.float64)  # [S + 1]
+    added, held = step_rows(inp)                                      # [S + 1] each
+    held = cost * held
     l = inp.prompt_tokens
     if inp.reserve_ratio is not None:
         r = inp.reserve_ratio

@@ -7,8 +7,8 @@ import torch
 
 from executor.layers.quant import QuantGroup
 from executor.prompt import Prompt
-from kvplan.plan import Quant
 from executor.runner import Runner
+from kvplan.plan import Quant
 from planner import auto
 from planner.auto import RESIDUAL
 from planner.probe import QUANT_GROUP, Losses, Prober, ProbeStats
