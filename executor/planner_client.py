@@ -26,8 +26,10 @@ class PlanOutcome:
 
 
 class PlannerClient:
-    def __init__(self, address: str, deadline_s: float):
-        self.deadline_s = deadline_s
+    def __init__(self, address: str, deadline_s: float, deadline_per_1k_s: float = 0.0):
+        """A Plan call's deadline: deadline_s, plus deadline_per_1k_s per 1000 token ids sent (a
+        probing strategy prefills them: its time grows with the prompt)."""
+        self.deadline_s, self.deadline_per_1k_s = deadline_s, deadline_per_1k_s
         self.channel = grpc.aio.insecure_channel(address, options=channel_options())
         self.stub = planner_pb2_grpc.PlannerStub(self.channel)
 
@@ -55,7 +57,7 @@ class PlannerClient:
                                          num_query_heads=lm.num_query_heads, head_dim=lm.head_dim,
                                          fingerprint=lm.fingerprint))
         try:
-            msg = await self.stub.Plan(req, timeout=self.deadline_s)
+            msg = await self.stub.Plan(req, timeout=self.deadline(len(req.token_ids)))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 field, _, message = (e.details() or "").partition(": ")
@@ -63,6 +65,19 @@ class PlannerClient:
             if e.code() not in _UNREACHABLE:
                 raise
             log.warning("job %s: planner unreachable (%s); local full plan, degraded", job_id, e.code().name)
-            return PlanOutcome(full_plan(lm.num_layers, f"local-{job_id}", "full", lm.fingerprint), True,
-                               f"planner {e.code().name}")
+            met = _full_fits(budget, prompt_tokens + suffix_tokens + new_tokens)
+            return PlanOutcome(full_plan(lm.num_layers, f"local-{job_id}", "full", lm.fingerprint, met, prompt_tokens),
+                               True, f"planner {e.code().name}")
         return PlanOutcome(CompressionPlan.from_proto(msg), False)
+
+    def deadline(self, token_ids: int) -> float:
+        return self.deadline_s + self.deadline_per_1k_s * token_ids / 1000
+
+
+def _full_fits(budget: common_pb2.Budget, tokens: int) -> bool:
+    """Whether the local full plan holds the job's budget: none asked, a ratio of 1, or a token
+    budget for every row the job will hold."""
+    kind = budget.WhichOneof("kind")
+    if kind == "reserve_ratio":
+        return budget.reserve_ratio >= 1.0
+    return kind != "kv_tokens" or budget.kv_tokens >= tokens

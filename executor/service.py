@@ -37,7 +37,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.executor_id = cfg.executor_id or f"{socket.gethostname()}-{os.getpid()}"
         self.backend = open_backend(cfg.redis_url, claim_idle_ms=cfg.claim_idle_ms)
-        self.planner = PlannerClient(cfg.planner_addr, cfg.plan_deadline_s)
+        self.planner = PlannerClient(cfg.planner_addr, cfg.plan_deadline_s, cfg.plan_deadline_per_1k_s)
         self.runner: Runner | None = None
         self.worker: Worker | None = None
         self.cachestore: CachestoreClient | None = None

@@ -4,7 +4,7 @@
     kvplan generate [PROMPT] [options]        run a job (on the cluster, or embedded)
     kvplan demo                               the built-in demo job
     kvplan strategies [set NAME]              list / switch the planner's default strategy
-    kvplan strategies define FILE             register a strategy definition (JSON/YAML) and switch to it
+    kvplan strategies define FILE [--activate] register a strategy definition (JSON/YAML); --activate: switch to it
     kvplan plan --strategy S --ratio R        plan a job in this process and print the per-layer plan
     kvplan serve planner|executor|cachestore  run one service in the foreground
     kvplan prepare-model                      convert the model once into the cache dir
@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "or `strategies define FILE`")
     st.add_argument("action", nargs="?", choices=["set", "define"])
     st.add_argument("name", nargs="?", help="set: a strategy's name; define: a definition file (JSON or YAML)")
+    st.add_argument("--activate", action="store_true",
+                    help="define: also make it the default for jobs that name none (else: usable by name only)")
 
     pl = sub.add_parser("plan", help="plan one job in this process (no service) and print the per-layer plan")
     pl.add_argument("--strategy", required=True, help="a shipped strategy's name, or a definition file")
@@ -196,8 +198,10 @@ def _strategies(args) -> int:
             print(f"active strategy: {info.name} (v{info.version})")
             return 0
         if args.action == "define":
-            info = pc.define_strategy(definition)
-            print(f"defined and active: {info.name} (v{info.version})")
+            info = pc.define_strategy(definition, activate=args.activate)
+            print(f"defined{' and active' if info.active else ''}: {info.name} (v{info.version})"
+                  + ("" if info.active else f"; jobs use it with --strategy {info.name} "
+                                            f"(or: kvplan strategies set {info.name})"))
             return 0
         got = pc.strategies()
     for s in got.strategies:

@@ -129,6 +129,8 @@ class PlannerClient(_Client):
     def set_strategy(self, name: str) -> planner_pb2.StrategyInfo:
         return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(name=name), timeout=10)
 
-    def define_strategy(self, definition: str) -> planner_pb2.StrategyInfo:
-        """Register (or replace) the strategy a definition (JSON or YAML text) names, and make it active."""
-        return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=definition), timeout=10)
+    def define_strategy(self, definition: str, activate: bool = False) -> planner_pb2.StrategyInfo:
+        """Register (or replace) the strategy a definition (JSON or YAML text) names; with
+        `activate`, also make it the default for jobs that name none."""
+        return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=definition, activate=activate),
+                                     timeout=10)

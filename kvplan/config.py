@@ -148,6 +148,8 @@ class ExecutorConfig(ServiceConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.plan_deadline_s <= 0:
+    plan_deadline_per_1k_s: float = _env("KVPLAN_PLAN_DEADLINE_PER_1K_S", 10.0,
+                                         "added to a Plan call's deadline per 1000 prompt tokens (probes prefill them)")
             raise ConfigError("KVPLAN_PLAN_DEADLINE_S must be > 0")
         if self.default_max_new_tokens < 1:
             raise ConfigError("KVPLAN_DEFAULT_MAX_NEW_TOKENS must be >= 1")
@@ -171,6 +173,8 @@ class ExecutorConfig(ServiceConfig):
         """How long an offload layer waits for a late prefetch (0 under `lowbit`)."""
         return self.prefetch_timeout_s if self.prefetch_policy == "wait" else 0.0
 
+        if self.plan_deadline_per_1k_s < 0:
+            raise ConfigError("KVPLAN_PLAN_DEADLINE_PER_1K_S must be >= 0")
 
 @dataclass(frozen=True)
 class CachestoreConfig(ServiceConfig):

@@ -106,6 +106,8 @@ class CompressionPlan:
     predicted_reserve_ratio: float = 1.0
     predicted_retained_attention: float = 1.0         # planner/predict.py; 1.0: not predicted
     predicted_copy_retained_attention: float = 1.0    # its copy-aware form; 1.0: not predicted
+    budget_met: bool | None = None    # holds the job's budget at every step; None: not judged (planner/budget.py)
+    budget_floor_tokens: int = 0      # fewest prompt tokens per KV head the plan keeps in a layer
 
     def to_proto(self) -> common_pb2.CompressionPlan:
         return json_format.ParseDict(_drop_none(dataclasses.asdict(self)), common_pb2.CompressionPlan())
@@ -118,6 +120,7 @@ class CompressionPlan:
         d["predicted_reserve_ratio"] = float(d.get("predicted_reserve_ratio", 0.0))
         for k in ("predicted_retained_attention", "predicted_copy_retained_attention"):
             d[k] = float(d.get(k, 0.0))
+        d["budget_floor_tokens"] = int(d.get("budget_floor_tokens", 0))
         return cls(layers=layers, offload=offload, **d)
 
 
@@ -146,7 +149,9 @@ def _drop_none(x: Any) -> Any:
     return x
 
 
-def full_plan(num_layers: int, plan_id: str, strategy: str = "full", fingerprint: str = "") -> CompressionPlan:
-    """The uncompressed plan: every layer keeps full KV."""
+def full_plan(num_layers: int, plan_id: str, strategy: str = "full", fingerprint: str = "",
+              budget_met: bool | None = None, prompt_tokens: int = 0) -> CompressionPlan:
+    """The uncompressed plan: every layer keeps full KV (its floor: the whole prompt)."""
     return CompressionPlan(plan_id=plan_id, strategy=strategy, model_fingerprint=fingerprint,
-                           layers=tuple(LayerPlan(layer=i) for i in range(num_layers)))
+                           layers=tuple(LayerPlan(layer=i) for i in range(num_layers)),
+                           budget_met=budget_met, budget_floor_tokens=prompt_tokens)

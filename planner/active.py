@@ -22,10 +22,11 @@ class MemoryActive:
     async def definitions(self) -> dict[str, str]:
         return dict(self._definitions)
 
-    async def define(self, name: str, text: str) -> None:
-        """Register (or replace) a definition and make it active."""
+    async def define(self, name: str, text: str, activate: bool = False) -> None:
+        """Register (or replace) a definition; with `activate`, make it active."""
         self._definitions[name] = text
-        self._name = name
+        if activate:
+            self._name = name
 
     async def close(self) -> None:
         pass
@@ -50,11 +51,12 @@ class RedisActive:
     async def definitions(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in (await self._r.hgetall(DEFINITIONS_KEY)).items()}
 
-    async def define(self, name: str, text: str) -> None:
-        """Register (or replace) a definition and make it active, both at once."""
+    async def define(self, name: str, text: str, activate: bool = False) -> None:
+        """Register (or replace) a definition; with `activate`, make it active in the same transaction."""
         async with self._r.pipeline(transaction=True) as p:
             p.hset(DEFINITIONS_KEY, name, text)
-            p.set(ACTIVE_KEY, name)
+            if activate:
+                p.set(ACTIVE_KEY, name)
             await p.execute()
 
     async def close(self) -> None:

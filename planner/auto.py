@@ -75,7 +75,8 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     m, hk, d = inp.model.num_layers, inp.model.num_kv_heads, inp.model.head_dim
     l, r = inp.prompt_tokens, inp.target_ratio
     if l == 0 or fits_full(inp):
-        return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
+        return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint, budget_met=True,
+                         prompt_tokens=l)
     if inp.probe is None:
         raise InvalidRequest("token_ids", f"strategy {inp.strategy!r} probes the prompt: send token_ids")
     stats = inp.probe(losses=True)
@@ -95,7 +96,8 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     by_step = np.stack([hk * lifetime_bytes(kept[fi], int(lo.bits[bi]), d, added, held, kept[fi] < l)
                         for fi, bi in options])                                             # [O, S + 1]
     cost = np.array([(by_step - hk * rate * added * row).max(1)] * m)                       # [m, O]
-    got = choose(loss, cost, m * hk * base * row)
+    budget = m * hk * base * row
+    got = choose(loss, cost, budget)
     layers, retained = [], []
     for i, o in enumerate(got.option):
         fi, bi = options[o]
@@ -111,4 +113,5 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     return CompressionPlan(plan_id=plan_id, strategy=inp.strategy, layers=tuple(layers),
                            model_fingerprint=inp.model.fingerprint,
                            predicted_reserve_ratio=float(worst),
-                           predicted_retained_attention=float(np.mean(retained)))
+                           predicted_retained_attention=float(np.mean(retained)),
+                           budget_met=bool(got.bytes <= budget * (1 + 1e-9)), budget_floor_tokens=sinks + window)

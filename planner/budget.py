@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from executor.layers.groups import held_after
+from kvcore.cost import held_after
 from planner.request import PlanInput
 
 
@@ -71,3 +71,12 @@ def context_tokens(inp: PlanInput, cost: float = 1.0) -> float:
         r = inp.reserve_ratio
         return float(np.clip(r * l + np.min(r * added - held), 0.0, l))
     return float(np.clip(inp.kv_tokens - held.max(), 0.0, l))
+
+
+def holds(held_share: float, inp: PlanInput, cost: float = 1.0) -> bool:
+    """Whether a plan whose prompt part holds `held_share` of the prompt's full cache (dense fp16
+    rows per stored head, layer average) stays within the job's budget at every step: at most
+    what the budget leaves the prompt once the rows the job adds are paid for (`context_ratio`).
+    A plan that cannot (an eviction window and sinks above the budget of a short prompt) is
+    still run; it says so in `CompressionPlan.budget_met`."""
+    return held_share <= context_ratio(inp, cost) + 1e-9

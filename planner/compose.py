@@ -41,7 +41,7 @@ from executor import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
-from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, row_cost
+from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, holds, row_cost
 from planner.definition import Definition
 from planner.request import InvalidRequest, PlanInput
 
@@ -68,7 +68,8 @@ class Composed:
     def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
         d, l, m = self.d, inp.prompt_tokens, inp.model.num_layers
         if l == 0 or fits_full(inp) or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
-            return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint)
+            return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint,
+                             budget_met=l == 0 or fits_full(inp), prompt_tokens=l)
         b = self.budgets(inp) if d.eviction else None
         pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}
         layers, held = [], []                                                                # held: [m] token units
@@ -84,14 +85,19 @@ class Composed:
             layers.append(LayerPlan(layer=i, eviction=ev, codebook=cb, quant=None if cb else d.quant))
             held.append(_held(layers[-1], l))
         offload = self._offload(inp)
+        plain = [i for i, lp in enumerate(layers) if lp.kind == "full" and i not in pairs.values()] if offload.enabled else []
+        met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp, self.added_row_cost(inp))
         if offload.enabled:          # the executor fits the part to the budget; plain layers hold that
             share = offload_budget.ratio(offload, l, 0, inp.model.head_dim)
-            held = [l * share if layers[i].kind == "full" and i not in pairs.values() else x for i, x in enumerate(held)]
+            held = [l * share if i in plain else x for i, x in enumerate(held)]
+            fitted = offload_budget.fit(offload, inp.target_ratio, l, inp.new_tokens, inp.model.head_dim)
+            met = met and offload_budget.ratio(fitted, l, inp.new_tokens, inp.model.head_dim) <= inp.target_ratio + 1e-9
         return CompressionPlan(
             plan_id=plan_id, strategy=inp.strategy, layers=tuple(layers), model_fingerprint=inp.model.fingerprint,
             offload=offload,
             predicted_reserve_ratio=float(np.mean(held) / l),
             predicted_retained_attention=1.0 if b is None or b.retained is None else b.retained,
+            budget_met=bool(met), budget_floor_tokens=min(l, b.sinks + b.window) if b else l,
         )
 
     def _offload(self, inp: PlanInput) -> OffloadPlan:

@@ -1,5 +1,9 @@
 """Planner service: Plan, ListStrategies, SetStrategy (hot swap: the next Plan uses it).
 
+A job that names no strategy gets the active default; one that asks to compress while that
+default is `full` gets `auto`. Every plan says whether it holds the job's budget (`budget_met`,
+`budget_floor_tokens`).
+
 Strategies are the shipped presets plus the custom definitions SetStrategy registered (shared
 through Redis when configured). A probing strategy gets a lazy probe of the job's token ids, or,
 for a job whose profile has learned budget shares and that is not sampled, those shares instead
@@ -42,7 +46,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     async def Plan(self, req: planner_pb2.PlanRequest, context) -> common_pb2.CompressionPlan:
         try:
-            name = req.strategy or await self.active.get()
+            name = req.strategy or await self._default(req.budget)
             strategy = await self._lookup(name, "strategy")
             inp = request.parse(req, name)
             if req.predict and not req.token_ids:
@@ -58,7 +62,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             await self.profiles.add(pending[0], pending[1][0])
         plan = dataclasses.replace(plan, strategy=strategy.name, strategy_version=strategy.version)
         PLANS.labels(name).inc()
-        log.info("job %s: %s plan %s (%d layers)", req.job_id, name, plan.plan_id, len(plan.layers))
+        log.info("job %s: %s plan %s (%d layers)%s", req.job_id, name, plan.plan_id, len(plan.layers),
+                 "" if plan.budget_met is not False else
+                 f"; budget not met: it keeps at least {plan.budget_floor_tokens} prompt tokens per KV head")
         return plan.to_proto()
 
     async def ListStrategies(self, req, context) -> planner_pb2.StrategyList:
@@ -69,14 +75,24 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def SetStrategy(self, req: planner_pb2.SetStrategyRequest, context) -> planner_pb2.StrategyInfo:
         try:
             if req.definition:
-                strategy = await self._define(req.definition, req.name)
+                strategy = await self._define(req.definition, req.name, req.activate)
             else:
                 strategy = await self._lookup(req.name, "name")
                 await self.active.set(strategy.name)
         except request.InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        log.info("active strategy is now %s v%s", strategy.name, strategy.version)
-        return _info(strategy, strategy.name)
+        active = await self.active.get()
+        log.info("%s %s v%s", "active strategy is now" if active == strategy.name else "registered strategy",
+                 strategy.name, strategy.version)
+        return _info(strategy, active)
+
+    async def _default(self, budget: common_pb2.Budget) -> str:
+        """The strategy of a job that names none: the active default, except that a budget which
+        asks to compress while the default is `full` (which never compresses) gets `auto`, so
+        `--ratio 0.2` alone is never silently a full cache."""
+        active = await self.active.get()
+        ratio, tokens = request.validate_budget(budget)
+        return "auto" if active == "full" and (tokens is not None or ratio < 1.0) else active
 
     async def _strategies(self) -> dict[str, Strategy]:
         """The presets, then the custom definitions (shared through Redis when configured)."""
@@ -99,8 +115,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             raise request.InvalidRequest(field, f"unknown strategy {name!r} (known: {_known(known)})")
         return known[name]
 
-    async def _define(self, text: str, name: str) -> Strategy:
-        """Register (or replace) a custom definition and make it active."""
+    async def _define(self, text: str, name: str, activate: bool) -> Strategy:
+        """Register (or replace) a custom definition; with `activate`, make it the default."""
         d = parse(text)
         if name and name != d.name:
             raise request.InvalidRequest("name", f"{name!r} is not the definition's name {d.name!r}")
@@ -115,7 +131,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             raise request.InvalidRequest("definition.version", f"{d.name} v{d.version} is registered with other "
                                                                "parts: give a new version (or none)")
         strategy = build(d)
-        await self.active.define(d.name, d.to_json())
+        await self.active.define(d.name, d.to_json(), activate)
         return strategy
 
     def _probe(self, name: str, token_ids: list[int]):

@@ -70,7 +70,7 @@ class LayerStats(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload")
+    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class JobResult(_message.Message):
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     STORAGE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_MET_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FLOOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     strategy: str
     plan_id: str
@@ -107,7 +109,9 @@ class JobResult(_message.Message):
     executor_id: str
     storage_dtype: str
     offload: OffloadStats
-    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ...) -> None: ...
+    budget_met: bool
+    budget_floor_tokens: int
+    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ...) -> None: ...
 
 class OffloadStats(_message.Message):
     __slots__ = ("transport", "low_bits", "group_size", "top_k", "recent_window", "host_kv_bytes", "prefetches", "in_time", "late", "bytes_fetched", "stall_s", "error", "rerank")

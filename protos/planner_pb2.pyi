@@ -72,9 +72,11 @@ class StrategyList(_message.Message):
     def __init__(self, strategies: _Optional[_Iterable[_Union[StrategyInfo, _Mapping]]] = ..., active: _Optional[str] = ...) -> None: ...
 
 class SetStrategyRequest(_message.Message):
-    __slots__ = ("name", "definition")
+    __slots__ = ("name", "definition", "activate")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DEFINITION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     definition: str
-    def __init__(self, name: _Optional[str] = ..., definition: _Optional[str] = ...) -> None: ...
+    activate: bool
+    def __init__(self, name: _Optional[str] = ..., definition: _Optional[str] = ..., activate: _Optional[bool] = ...) -> None: ...

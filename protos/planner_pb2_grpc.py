@@ -69,8 +69,8 @@ class PlannerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetStrategy(self, request, context):
-        """Set the default strategy used when a job names none (by name, or by a new definition).
-        Takes effect on the next Plan.
+        """Set the default strategy used when a job names none (by name), or register a new definition
+        (made the default only with `activate`). Takes effect on the next Plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -126,7 +126,7 @@ def test_a_definition_set_through_the_planner_plans_the_next_job(cluster, client
     job = request(" ".join([DEMO_CONTEXT] * 3), question=DEMO_QUESTION, max_new_tokens=4, reserve_ratio=0.4)
     with PlannerClient(cluster.planner_addr) as planner:
         try:
-            info = planner.define_strategy(mine)
+            info = planner.define_strategy(mine, activate=True)
             assert (info.name, info.active) == ("snap-mine", True)
             r = client.run(job).result
             assert r.strategy == "snap-mine" and not r.degraded and r.reserve_ratio < 0.6

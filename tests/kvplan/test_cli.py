@@ -68,10 +68,14 @@ def planner_up(monkeypatch, tmp_path):
     thread.join(10)
 
 
-def test_strategies_define_registers_and_activates_a_definition(planner_up, tmp_path, capsys):
+def test_strategies_define_registers_and_activates_only_when_asked(planner_up, tmp_path, capsys):
     f = tmp_path / "mine.yaml"
     f.write_text(MINE)
     assert cli.main(["strategies", "define", str(f)]) == 0
+    assert "defined: mine (v1); jobs use it with --strategy mine" in capsys.readouterr().out
+    assert cli.main(["strategies"]) == 0
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("*")] == ["full"]
+    assert cli.main(["strategies", "define", str(f), "--activate"]) == 0
     assert "defined and active: mine (v1)" in capsys.readouterr().out
     assert cli.main(["strategies"]) == 0
     active = [line for line in capsys.readouterr().out.splitlines() if line.startswith("*")]

@@ -129,7 +129,7 @@ def _ratio_req(**kw) -> planner_pb2.PlanRequest:
 async def test_set_strategy_with_a_definition_registers_it_and_makes_it_active():
     server, svc, ch, stub = await _planner()
     try:
-        info = await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE), timeout=5)
+        info = await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE, activate=True), timeout=5)
         assert (info.name, info.version, info.active) == ("mine", "1", True)
         listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
         assert listed.active == "mine" and "mine" in {s.name for s in listed.strategies}
@@ -146,6 +146,54 @@ async def test_set_strategy_with_a_definition_registers_it_and_makes_it_active()
         with pytest.raises(grpc.aio.AioRpcError) as e:                      # a version names one set of parts
             await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE + 'version: "2"\n'), timeout=5)
         assert e.value.details().startswith("definition.version:")
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_a_definition_without_activate_is_registered_but_not_the_default():
+    server, svc, ch, stub = await _planner()
+    try:
+        info = await stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE), timeout=5)
+        assert (info.name, info.version, info.active) == ("mine", "1", False)
+        listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
+        assert listed.active == "full" and "mine" in {s.name for s in listed.strategies}
+        plan = CompressionPlan.from_proto(await stub.Plan(_ratio_req(strategy="mine"), timeout=5))
+        assert plan.strategy == "mine"                                      # usable by name at once
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_a_compressing_budget_without_a_strategy_is_planned_by_auto_not_full():
+    """The default is `full`: a job asking 0.2 and naming no strategy must not silently hold 1.0."""
+    server, svc, ch, stub = await _planner(prober=CountingProbe())
+    try:
+        plan = CompressionPlan.from_proto(await stub.Plan(_ratio_req(token_ids=list(range(4096))), timeout=10))
+        assert plan.strategy == "auto" and plan.budget_met and plan.predicted_reserve_ratio <= 0.2
+        plain = CompressionPlan.from_proto(await stub.Plan(planner_pb2.PlanRequest(prompt_tokens=100, model=SHAPE),
+                                                           timeout=5))
+        assert plain.strategy == "full" and plain.budget_met                # no budget asked: the default
+        await stub.SetStrategy(planner_pb2.SetStrategyRequest(name="snapkv"), timeout=5)
+        assert CompressionPlan.from_proto(await stub.Plan(_ratio_req(), timeout=5)).strategy == "snapkv"
+    finally:
+        await _close(server, svc, ch)
+
+
+@pytest.mark.parametrize("strategy, prompt, ratio, new, met, floor", [
+    ("snapkv", 4096, 0.2, 0, True, 32),        # the window fits the budget
+    ("snapkv", 52, 0.5, 0, False, 32),         # 26 tokens asked, the window alone is 32
+    ("snapkv", 37, 0.2, 0, False, 32),         # 7 asked
+    ("streaming_llm", 37, 0.2, 0, True, 7),    # its window is what the budget leaves after 4 sinks
+    ("snapkv", 300, 0.5, 256, False, 32),      # 150 asked, but 256 new rows come out of it first
+    ("full", 4096, 0.5, 0, False, 4096),       # `full` named: it never compresses, and says so
+    ("full", 4096, 1.0, 0, True, 4096),
+])
+async def test_every_plan_says_whether_it_holds_the_budget(strategy, prompt, ratio, new, met, floor):
+    server, svc, ch, stub = await _planner()
+    try:
+        req = planner_pb2.PlanRequest(job_id="j", prompt_tokens=prompt, model=SHAPE, strategy=strategy,
+                                      budget=common_pb2.Budget(reserve_ratio=ratio), new_tokens=new)
+        plan = CompressionPlan.from_proto(await stub.Plan(req, timeout=5))
+        assert (plan.budget_met, plan.budget_floor_tokens) == (met, floor)
     finally:
         await _close(server, svc, ch)
 
@@ -175,7 +223,7 @@ async def test_a_bad_definition_is_invalid_argument_and_the_old_strategy_stays(r
 async def test_planner_replicas_share_custom_definitions_through_redis(redis_db):
     a, b = await _planner(redis_db), await _planner(redis_db)
     try:
-        await a[3].SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE), timeout=5)
+        await a[3].SetStrategy(planner_pb2.SetStrategyRequest(definition=MINE, activate=True), timeout=5)
         listed = await b[3].ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
         assert listed.active == "mine" and "mine" in {s.name for s in listed.strategies}
         plan = CompressionPlan.from_proto(await b[3].Plan(_ratio_req(), timeout=5))
