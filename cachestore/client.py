@@ -25,6 +25,7 @@ from cachestore import wire
 from cachestore.handle import Fetched, JobHandle, StoreUnavailable
 from cachestore.segment import Layout, Segment
 from cachestore.tensor_codec import DTYPES, NAMES, decode, encode
+from kvplan.channels import client_channel
 from kvplan.serving import channel_options
 from protos import cachestore_pb2 as pb
 from protos import cachestore_pb2_grpc
@@ -62,7 +63,7 @@ class CachestoreClient:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.addr, self.transport, self.timeout_s = addr, transport, timeout_s
-        self.channel = grpc.insecure_channel(addr, options=channel_options())
+        self.channel = client_channel(addr, options=channel_options())
         self.stub = cachestore_pb2_grpc.CacheStoreStub(self.channel)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
@@ -72,12 +73,14 @@ class CachestoreClient:
             raise StoreUnavailable(f"cachestore at {self.addr} not reachable within {timeout_s:g}s") from None
 
     def open(self, tenant: str, job_id: str, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-             max_tokens: int, top_k: int) -> JobHandle:
-        """Register a job (max_tokens rows per layer and head, prefetches of top_k rows per head)."""
+             max_tokens: int, top_k: int, attempt: int = 0) -> JobHandle:
+        """Register a job (max_tokens rows per layer and head, prefetches of top_k rows per head).
+        `attempt` (the claim's): registering again for the same attempt is idempotent, a later
+        attempt (a re-claimed job) replaces the earlier one's rows, segment and pin."""
         layout = Layout(layers, kv_heads, head_dim, NAMES[dtype], max_tokens, max(1, top_k))
         req = pb.RegisterRequest(tenant=tenant, job_id=job_id, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                                  dtype=layout.dtype, max_tokens=max_tokens, top_k=layout.top_k,
-                                 shared_memory=self.transport != "grpc")
+                                 shared_memory=self.transport != "grpc", attempt=attempt)
         reply = self._register(req)
         if reply.transport == "shm":
             try:

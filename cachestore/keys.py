@@ -5,15 +5,20 @@ written for tenant B. Validation messages name the request field they come from.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+
+NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")    # no whitespace or control characters: safe in logs
 
 
 def check_job(tenant: str, job_id: str, prefix: str = "") -> None:
     """Raise ValueError ("<prefix>tenant: must not be empty") for an unusable job identity."""
-    if not tenant:
-        raise ValueError(f"{prefix}tenant: must not be empty")
-    if not job_id:
-        raise ValueError(f"{prefix}job_id: must not be empty")
+    for name, value in (("tenant", tenant), ("job_id", job_id)):
+        if not value:
+            raise ValueError(f"{prefix}{name}: must not be empty")
+        if not NAME.match(value):
+            raise ValueError(f"{prefix}{name}: must match {NAME.pattern}, got {value[:40]!r}")
 
 
 @dataclass(frozen=True, order=True)

@@ -24,6 +24,7 @@ import torch
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvplan-"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+LIMITS = {"layers": 512, "kv_heads": 256, "head_dim": 1024, "max_tokens": 1 << 20, "top_k": 1 << 16}
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ class Layout:
     top_k: int
 
     def __post_init__(self):
-        for name in ("layers", "kv_heads", "head_dim", "max_tokens", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name, limit in LIMITS.items():
+            if not 1 <= getattr(self, name) <= limit:
+                raise ValueError(f"{name}: must be in [1, {limit}], got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
 
@@ -59,6 +60,15 @@ class Layout:
         return 2 * (self.rows_numel + self.stage_numel) * self.torch_dtype.itemsize
 
 
+class NoSpace(Exception):
+    """/dev/shm has no room for the segment (RESOURCE_EXHAUSTED)."""
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def segment_name(tenant: str, job_id: str) -> str:
     clean = lambda s: re.sub(r"[^A-Za-z0-9_.-]", "_", s)[:40]
     return f"{PREFIX}{clean(tenant)}-{clean(job_id)}-{secrets.token_hex(6)}"
@@ -71,6 +81,9 @@ class Segment:
         self.name, self.layout = name, layout
         self.path = SHM_DIR / name
         if create:
+            free = shm_free_bytes()
+            if layout.nbytes > free:            # tmpfs files are sparse: a write past the space would SIGBUS
+                raise NoSpace(f"{layout.nbytes} bytes of shared memory asked, {free} free in {SHM_DIR}")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, layout.nbytes)
@@ -78,7 +91,12 @@ class Segment:
                 os.close(fd)
         elif self.path.stat().st_size != layout.nbytes:
             raise ValueError(f"segment {name}: {self.path.stat().st_size} bytes, the layout needs {layout.nbytes}")
-        raw = torch.from_file(str(self.path), shared=True, size=layout.nbytes, dtype=torch.uint8)
+        try:
+            raw = torch.from_file(str(self.path), shared=True, size=layout.nbytes, dtype=torch.uint8)
+        except BaseException:
+            if create:                          # never leave a file nobody maps
+                self.unlink()
+            raise
         flat = raw.view(layout.torch_dtype)
         L, H, T, D, K = layout.layers, layout.kv_heads, layout.max_tokens, layout.head_dim, layout.top_k
         n, m = layout.rows_numel, layout.stage_numel

@@ -3,7 +3,9 @@
 Each RPC decodes and checks its request, runs the store operation in a worker thread (KV
 payloads are copied and gathered there, off the event loop), and maps failures to status
 codes: bad input -> INVALID_ARGUMENT naming the field, capacity -> RESOURCE_EXHAUSTED, an
-unknown block -> NOT_FOUND. A failed RPC leaves the service serving.
+unknown block -> NOT_FOUND, another tenant's job with a `user` key -> PERMISSION_DENIED (the
+tenant of every call is the API key's; `kvplan.auth`), a registration of an attempt older than
+the job's -> FAILED_PRECONDITION. A failed RPC leaves the service serving.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from cachestore.keys import BlockKey, JobKey
-from cachestore.segment import Layout, Segment, segment_name
+from cachestore.segment import Layout, NoSpace, Segment, segment_name
 from cachestore.spill import RedisSpill
-from cachestore.store import BlockStore, CapacityError
+from cachestore.store import BlockStore, CapacityError, StaleAttempt
+from kvplan import auth
 from cachestore import wire
 from cachestore.tensor_codec import NAMES, decode, encode
 from kvplan.config import CachestoreConfig
@@ -48,8 +51,13 @@ COUNTERS = {
 
 
 def block_key(msg: cachestore_pb2.BlockKey) -> BlockKey:
-    """Wire key -> BlockKey; ValueError names the field ("key.tenant: must not be empty")."""
-    return BlockKey(msg.tenant, msg.job_id, msg.layer, msg.kv_head)
+    """Wire key -> BlockKey of the caller's tenant; ValueError names the field ("key.tenant: must
+    not be empty"), auth.Denied a user key naming another tenant."""
+    return BlockKey(auth.acting_tenant(msg.tenant, "", "key.tenant"), msg.job_id, msg.layer, msg.kv_head)
+
+
+def _job(tenant: str, job_id: str) -> JobKey:
+    return JobKey(auth.acting_tenant(tenant, ""), job_id)
 
 
 CHUNK_BYTES = 4 << 20        # GetStream: bytes of K (and of V) per message
@@ -64,28 +72,36 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         self._export()
 
     async def Register(self, request: cachestore_pb2.RegisterRequest, context) -> cachestore_pb2.RegisterReply:
+        """Idempotent per (job, attempt): the same attempt gets the same segment; a later attempt
+        (an executor that re-claimed the job) replaces the earlier one's rows, segment and pin."""
         def register():
-            job = JobKey(request.tenant, request.job_id)
+            job = _job(request.tenant, request.job_id)
             layout = Layout(request.layers, request.kv_heads, request.head_dim, request.dtype, request.max_tokens,
                             request.top_k)
             if not request.shared_memory:
+                self.store.reserve(job, 0, request.attempt)
                 return cachestore_pb2.RegisterReply(transport="grpc")
-            seg = Segment(segment_name(job.tenant, job.job_id), layout, create=True)
-            try:
-                self.store.reserve(job, layout.nbytes, on_drop=lambda: self._drop_segment(job, seg))
-            except Exception:
-                seg.unlink()
-                raise
-            self.segments[job] = seg
+            if not self.store.reserve(job, layout.nbytes, request.attempt):      # capacity first: no file yet
+                seg = self.segments[job]
+            else:
+                try:
+                    seg = Segment(segment_name(job.tenant, job.job_id), layout, create=True)
+                except BaseException:
+                    self.store.release(job.tenant, job.job_id)
+                    raise
+                if not self.store.attach(job, lambda: self._drop_segment(job, seg)):
+                    seg.unlink()
+                    raise ValueError(f"job_id: {job.job_id!r} was released while it registered")
+                self.segments[job] = seg
+                log.info("job %s: segment %s (%d bytes, attempt %d)", job, seg.name, layout.nbytes, request.attempt)
             self.transport = "shm"
-            log.info("job %s: segment %s (%d bytes)", job, seg.name, layout.nbytes)
             return cachestore_pb2.RegisterReply(transport="shm", segment=seg.name, segment_bytes=layout.nbytes)
 
         return await self._call(context, register)
 
     async def PrefetchLayer(self, request: cachestore_pb2.PrefetchLayerRequest, context) -> cachestore_pb2.PrefetchLayerReply:
         def prefetch():
-            job = JobKey(request.tenant, request.job_id)
+            job = _job(request.tenant, request.job_id)
             if request.top_k < 1:
                 raise ValueError(f"top_k: must be >= 1, got {request.top_k}")
             idx = torch.from_numpy(np.asarray(request.token_indices, dtype=np.int64))
@@ -183,11 +199,16 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         return cachestore_pb2.PrefetchReply(accepted=await self._call(context, prefetch))
 
     async def Release(self, request: cachestore_pb2.ReleaseRequest, context) -> cachestore_pb2.ReleaseReply:
-        freed = await self._call(context, lambda: self.store.release(request.tenant, request.job_id, request.keep))
+        def release():
+            job = _job(request.tenant, request.job_id)
+            return self.store.release(job.tenant, job.job_id, request.keep)
+
+        freed = await self._call(context, release)
         return cachestore_pb2.ReleaseReply(freed_bytes=freed)
 
     async def Stats(self, request: cachestore_pb2.StatsRequest, context) -> cachestore_pb2.StatsReply:
-        s = self.store.stats(request.tenant, request.job_id)
+        """Totals, or a tenant's or a job's; a user key sees its own tenant's only."""
+        s = await self._call(context, lambda: self.store.stats(auth.acting_tenant(request.tenant, ""), request.job_id))
         return cachestore_pb2.StatsReply(
             capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, blocks=s.blocks, jobs=s.jobs,
             pinned_jobs=s.pinned_jobs, evictions=s.evictions, hits=s.hits, misses=s.misses,
@@ -198,8 +219,12 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         """Run `fn` in a worker thread; abort the RPC with the status its failure maps to."""
         try:
             result = await asyncio.to_thread(fn)
-        except CapacityError as e:
+        except (CapacityError, NoSpace) as e:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        except auth.Denied as e:
+            code, message = grpc.StatusCode.PERMISSION_DENIED, str(e)
+        except StaleAttempt as e:
+            code, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except ValueError as e:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
         else:

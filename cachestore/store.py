@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from cachestore.block import Block, Rows, check_rows
+from cachestore.counters import Counters, StoreStats
 from cachestore.keys import BlockKey, JobKey
 from cachestore.staging import PrefetchStaging
 
@@ -32,32 +33,9 @@ class CapacityError(Exception):
     """A put does not fit, even after evicting every unpinned job but its own."""
 
 
-@dataclass
-class Counters:
-    hits: int = 0            # gets of a block that exists
-    misses: int = 0          # gets of a block that does not (evicted, released, other tenant)
-    evictions: int = 0       # jobs evicted for capacity
-    prefetches: int = 0      # prefetches accepted (the block existed)
-    prefetch_hits: int = 0   # gets served from the staging area
-    spilled: int = 0         # blocks of evicted jobs written to the spill tier
-    reloaded: int = 0        # blocks read back from it
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    hits: int
-    misses: int
-    evictions: int
-    prefetches: int
-    prefetch_hits: int
-    spilled: int = 0
-    reloaded: int = 0
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    blocks: int = 0
-    jobs: int = 0
-    pinned_jobs: int = 0
-    staged_bytes: int = 0
+class StaleAttempt(Exception):
+    """A registration of an earlier attempt than the job's registered one (a presumed-dead
+    executor that woke up): FAILED_PRECONDITION, nothing changes."""
 
 
 @dataclass
@@ -67,6 +45,7 @@ class _Job:
     pinned: bool = False
     reserved: int = 0                     # bytes of a registered shared-memory segment
     on_drop: Callable[[], None] | None = None   # frees what the reservation stands for
+    attempt: int = 0                      # the executor attempt that registered the job (0: not said)
 
 
 def _host(t: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -164,15 +143,49 @@ class BlockStore:
             self._jobs.move_to_end(key.job)
             return True
 
-    def reserve(self, job: JobKey, nbytes: int, on_drop: Callable[[], None]) -> None:
-        """Count `nbytes` (a job's shared-memory segment) against the capacity, pinned until
-        `release`; `on_drop` runs when the job is dropped. CapacityError when it cannot fit."""
+    def reserve(self, job: JobKey, nbytes: int, attempt: int = 0) -> bool:
+        """Register executor attempt `attempt` of a job, pinned until `release`: `nbytes` of a
+        shared-memory segment counted against the capacity before the segment exists (so a size
+        that cannot fit, CapacityError, costs nothing), or 0 (rows over gRPC). The same attempt
+        again is idempotent: False, nothing changes. A later attempt (or attempt 0, not said)
+        replaces the job: its blocks, segment and pin are dropped first, so its rows start over.
+        An earlier attempt raises StaleAttempt. True: reserved; `attach` the segment's clean-up."""
         with self._lock:
-            if job in self._jobs:
-                raise ValueError(f"job_id: {job.job_id!r} is already registered for tenant {job.tenant!r}")
+            old = self._jobs.get(job)
+            if old is not None and attempt and old.attempt == attempt:
+                if old.reserved != nbytes:
+                    raise ValueError(f"job_id: attempt {attempt} of {job.job_id!r} is registered with "
+                                     f"{old.reserved} bytes, asked again with {nbytes}")
+                return False
+            self._replace(job, attempt)
             self._make_room(nbytes, keep=job)
-            self._jobs[job] = _Job(nbytes=nbytes, pinned=True, reserved=nbytes, on_drop=on_drop)
+            self._jobs[job] = _Job(nbytes=nbytes, pinned=True, reserved=nbytes, attempt=attempt)
             self._used += nbytes
+            return True
+
+    def attach(self, job: JobKey, on_drop: Callable[[], None]) -> bool:
+        """Give a reserved job the clean-up of its segment (run when the job is dropped); False
+        when the reservation is gone (released meanwhile): the caller frees the segment."""
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is None or not entry.reserved or entry.on_drop is not None:
+                return False
+            entry.on_drop = on_drop
+            return True
+
+    def _replace(self, job: JobKey, attempt: int) -> None:
+        """Drop what an earlier attempt of `job` holds (StaleAttempt for a later one's)."""
+        old = self._jobs.get(job)
+        if old is None:
+            return
+        if attempt and old.attempt > attempt:
+            raise StaleAttempt(f"attempt: {attempt} of job {job.job_id!r} is older than the registered "
+                               f"attempt {old.attempt}")
+        log.info("job %s: attempt %d replaces attempt %d (its rows and segment are dropped)", job, attempt,
+                 old.attempt)
+        if self.spill is not None:
+            self.spill.drop_job(job)
+        self._drop(job)
 
     def release(self, tenant: str, job_id: str, keep: bool = False) -> int:
         """Unpin a job; drop its blocks unless `keep`. Returns the bytes freed."""

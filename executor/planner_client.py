@@ -9,6 +9,7 @@ import grpc
 
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan, full_plan
+from kvplan.channels import aio_channel
 from kvplan.serving import channel_options
 from planner.request import InvalidRequest
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
@@ -30,19 +31,22 @@ class PlannerClient:
         """A Plan call's deadline: deadline_s, plus deadline_per_1k_s per 1000 token ids sent (a
         probing strategy prefills them: its time grows with the prompt)."""
         self.deadline_s, self.deadline_per_1k_s = deadline_s, deadline_per_1k_s
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self.channel = aio_channel(address, options=channel_options())
         self.stub = planner_pb2_grpc.PlannerStub(self.channel)
+        self._known: list[str] | None = None
 
     async def close(self) -> None:
         await self.channel.close()
 
     async def strategies(self) -> list[str] | None:
-        """Known strategy names, or None when the planner does not answer in time."""
+        """Known strategy names: the planner's, or the last it gave when it does not answer in
+        time (so a name it never had is refused while it is down); None: never asked yet."""
         try:
             got = await self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=min(2.0, self.deadline_s))
         except grpc.aio.AioRpcError:
-            return None
-        return [s.name for s in got.strategies]
+            return self._known
+        self._known = [s.name for s in got.strategies]
+        return self._known
 
     async def plan(self, job_id: str, tenant: str, strategy: str, budget: common_pb2.Budget, profile: str,
                    prompt_tokens: int, lm: LoadedModel, token_ids: list[int] | None = None,

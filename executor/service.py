@@ -2,10 +2,17 @@
 
 Every job goes through the job queue (Generate is SubmitJob + WatchJob), so a job is never
 lost with the executor that took the request.
+
+A job's tenant is the caller's API key's (`kvplan.auth`); another tenant's job is NOT_FOUND.
+Limits come before work: the text's size before tokenizing, every number before queueing, the
+tenant's rate before either, and the queue's bounds (RESOURCE_EXHAUSTED with `retry-after`
+metadata) with the write. An unreachable Redis answers UNAVAILABLE after `redis_retry_s`, and
+health says NOT_SERVING until it is back (`watch_queue`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -18,13 +25,14 @@ import torch
 from cachestore.client import CachestoreClient
 from executor import prompt as prompts
 from executor import validation
-from executor.jobqueue import open_backend
+from executor.jobqueue import PATIENCE, Limits, QueueFull, QueueUnavailable, open_backend
 from executor.planner_client import PlannerClient
 from executor.runner import Runner
 from executor.worker import TERMINAL, Worker
+from kvplan import auth
 from kvplan import model as models
 from kvplan.config import ExecutorConfig, ModelConfig
-from kvplan.serving import Service
+from kvplan.serving import Service, set_health
 from planner.request import InvalidRequest
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
@@ -71,63 +79,93 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     # -- RPCs -------------------------------------------------------------------------------
     async def SubmitJob(self, req: pb.GenerateRequest, context) -> pb.JobStatus:
-        return await self._submit(req, context)
+        async with self._errors(context):
+            return await self._submit(req, context)
 
     async def GetJob(self, ref: pb.JobRef, context) -> pb.JobStatus:
-        return await self._status(ref, context)
+        async with self._errors(context):
+            return await self._status(ref, context)
 
     async def CancelJob(self, ref: pb.JobRef, context) -> pb.JobStatus:
-        status = await self._status(ref, context)
-        if status.state in TERMINAL:
+        async with self._errors(context):
+            status = await self._status(ref, context)
+            if status.state in TERMINAL:
+                return status
+            await self.backend.cancel(ref.job_id)
+            if status.state == pb.QUEUED:     # no executor has it yet: cancel right away
+                status.state = pb.CANCELLED
+                await self.backend.set_status(ref.job_id, status.SerializeToString())
+                await self.backend.append_event(ref.job_id, pb.JobEvent(
+                    job_id=ref.job_id, status=status).SerializeToString())
             return status
-        await self.backend.cancel(ref.job_id)
-        if status.state == pb.QUEUED:     # no executor has it yet: cancel right away
-            status.state = pb.CANCELLED
-            await self.backend.set_status(ref.job_id, status.SerializeToString())
-            await self.backend.append_event(ref.job_id, pb.JobEvent(
-                job_id=ref.job_id, status=status).SerializeToString())
-        return status
 
     async def WatchJob(self, ref: pb.JobRef, context):
-        await self._status(ref, context)       # NOT_FOUND for unknown jobs
-        async for ev in self._follow(ref.job_id):
-            yield ev
+        async with self._errors(context):
+            await self._status(ref, context)       # NOT_FOUND for unknown jobs
+            async for ev in self._follow(ref.job_id):
+                yield ev
 
     async def Generate(self, req: pb.GenerateRequest, context):
-        status = await self._submit(req, context)
-        finished = False
-        try:
-            async for ev in self._follow(status.job_id):
-                yield ev
-            finished = True
-        finally:
-            if not finished:                   # the client went away: don't burn CPU for nobody
-                await self.backend.cancel(status.job_id)
+        async with self._errors(context):
+            status = await self._submit(req, context)
+            finished = False
+            try:
+                async for ev in self._follow(status.job_id):
+                    yield ev
+                finished = True
+            finally:
+                if not finished:                   # the client went away: don't burn CPU for nobody
+                    with contextlib.suppress(QueueUnavailable):
+                        await self.backend.cancel(status.job_id)
 
     # -- helpers ------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _errors(self, context):
+        """The statuses of the queue's failures; Redis calls in this RPC retry `redis_retry_s`."""
+        PATIENCE.set(self.cfg.redis_retry_s)
+        try:
+            yield
+        except QueueUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry")
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {e.retry_after_s}s",
+                                trailing_metadata=(("retry-after", str(e.retry_after_s)),))
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.cfg.max_queued, self.cfg.max_queued_per_tenant, self.cfg.tenant_rate_per_min)
+
     async def _submit(self, req: pb.GenerateRequest, context) -> pb.JobStatus:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is warming up (loading the model)")
         try:
-            checked = validation.check(req, self.cfg.default_max_new_tokens)
-            validation.check_strategy(req.strategy, await self.planner.strategies())
+            tenant = auth.acting_tenant(req.tenant, "default")
+            validation.check_size(req, self.cfg.max_prompt_bytes)               # before any tokenizing
             lm = self.runner.lm
+            checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
+            await self.backend.admit(tenant, self.limits)                         # the tenant's rate
+            validation.check_strategy(req.strategy, await self.planner.strategies())
             prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
             validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
-        except InvalidRequest as e:
+        except auth.Denied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except ValueError as e:                                                   # InvalidRequest among them
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        req.tenant = tenant                                                       # the key's, for the worker
         job_id = uuid.uuid4().hex
         status = pb.JobStatus(job_id=job_id, state=pb.QUEUED, submitted_at=time.time())
-        await self.backend.submit(job_id, req.SerializeToString(), status.SerializeToString())
+        await self.backend.submit(job_id, req.SerializeToString(), status.SerializeToString(), tenant, self.limits)
         await self.backend.append_event(job_id, pb.JobEvent(job_id=job_id, status=status).SerializeToString())
-        log.info("job %s: queued (%d prompt tokens)", job_id, prompt.num_tokens)
+        log.info("job %s: queued for tenant %s (%d prompt tokens)", job_id, tenant, prompt.num_tokens)
         return status
 
     async def _status(self, ref: pb.JobRef, context) -> pb.JobStatus:
-        if not ref.job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: must not be empty")
+        """The job's status; NOT_FOUND for an unknown job and for another tenant's (but an admin's)."""
+        if not ref.job_id or len(ref.job_id) > 128 or not ref.job_id.isprintable():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: must be 1 to 128 printable characters")
         raw = await self.backend.status(ref.job_id)
-        if raw is None:
+        who = auth.caller()
+        if raw is None or (who.role != "admin" and await self.backend.tenant(ref.job_id) != who.tenant):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {ref.job_id!r} (unknown or expired)")
         return pb.JobStatus.FromString(raw)
 
@@ -157,10 +195,36 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     return
 
 
+async def watch_queue(backend, svc: Service, interval_s: float = 1.0) -> None:
+    """Health follows the job queue's store: NOT_SERVING while it cannot be reached (Redis down),
+    SERVING again once it answers (its consumer group made again if it was lost)."""
+    up = True
+    while True:
+        ok = await backend.ping()
+        if ok != up:
+            up = ok
+            log.warning("job queue %s: health %s", "reachable again" if ok else "unreachable",
+                        "SERVING" if ok else "NOT_SERVING")
+            await set_health(svc, ok)
+        await asyncio.sleep(interval_s)
+
+
 def build_service(cfg: ExecutorConfig, model_cfg: ModelConfig) -> Service:
     servicer = ExecutorServicer(cfg, model_cfg)
-    return Service(
+    watcher: list[asyncio.Task] = []
+
+    async def warmup() -> None:
+        await servicer.warmup()
+        watcher.append(asyncio.create_task(watch_queue(servicer.backend, svc)))
+
+    async def stop() -> None:
+        for task in watcher:
+            task.cancel()
+        await servicer.stop()
+
+    svc = Service(
         name="executor", full_names=["kvplan.v1.Executor"],
         register=lambda server: executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, server),
-        warmup=servicer.warmup, stop=servicer.stop,
+        warmup=warmup, stop=stop,
     )
+    return svc

@@ -1,4 +1,6 @@
-"""Check a GenerateRequest before it is queued; every error names the field at fault."""
+"""Check a GenerateRequest before it is queued; every error names the field at fault. The
+cheap checks come first: `check_size` before the prompt is tokenized, `check` before the job
+is queued (every number bounded), `check_length` once the prompt's tokens are known."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +10,25 @@ from planner.request import InvalidRequest, validate_budget
 from protos import executor_pb2
 
 ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 1024
+MAX_NAME = 128                  # strategy and profile names
+TEMPERATURE = (1e-3, 100.0)     # a positive temperature's range (0: greedy); 1e-40 would divide logits to inf
+
+
+def check_size(req: executor_pb2.GenerateRequest, max_bytes: int) -> None:
+    """The request's text is at most `max_bytes` UTF-8 bytes (prompt, messages, question
+    together), and its names are short — before any tokenizing."""
+    if len(req.messages) > MAX_MESSAGES:
+        raise InvalidRequest("messages", f"{len(req.messages)} messages, at most {MAX_MESSAGES}")
+    size = len(req.prompt.encode()) + len(req.question.encode()) + sum(len(m.content.encode()) for m in req.messages)
+    if size > max_bytes:
+        field = "prompt" if len(req.prompt.encode()) > max_bytes / 2 or not req.messages else "messages"
+        raise InvalidRequest(field, f"{size} bytes of text (prompt, messages and question), at most {max_bytes} "
+                                    "(KVPLAN_MAX_PROMPT_BYTES)")
+    for name in ("strategy", "profile"):
+        value = getattr(req, name)
+        if len(value) > MAX_NAME or not value.isprintable():
+            raise InvalidRequest(name, f"must be at most {MAX_NAME} printable characters")
 
 
 @dataclass(frozen=True)
@@ -21,7 +42,8 @@ class Checked:
     kv_tokens: int | None
 
 
-def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int) -> Checked:
+def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int, max_context: int | None = None) -> Checked:
+    """Every field but the prompt's length (`check_length`); `max_context` bounds max_new_tokens."""
     if req.prompt and req.messages:
         raise InvalidRequest("messages", "give prompt or messages, not both")
     if req.messages:
@@ -40,8 +62,11 @@ def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int) -> Che
     n = req.max_new_tokens if req.HasField("max_new_tokens") else default_max_new_tokens
     if n < 1:
         raise InvalidRequest("max_new_tokens", f"must be >= 1, got {n}")
-    if not req.temperature >= 0:
-        raise InvalidRequest("temperature", f"must be >= 0, got {req.temperature:g}")
+    if max_context is not None and n >= max_context:
+        raise InvalidRequest("max_new_tokens", f"must be below the model's context of {max_context} tokens, got {n}")
+    lo, hi = TEMPERATURE
+    if not (req.temperature == 0 or lo <= req.temperature <= hi):
+        raise InvalidRequest("temperature", f"must be 0 (greedy) or in [{lo:g}, {hi:g}], got {req.temperature:g}")
     top_p = req.top_p if req.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p:g}")

@@ -7,6 +7,7 @@ from typing import Iterator
 import grpc
 from google.protobuf import json_format
 
+from kvplan.channels import client_channel
 from kvplan.serving import channel_options
 from protos import common_pb2, executor_pb2, executor_pb2_grpc, planner_pb2, planner_pb2_grpc
 
@@ -60,7 +61,7 @@ class _Client:
     stub_class = None
 
     def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = client_channel(address, options=channel_options())   # TLS and KVPLAN_API_KEY from the env
         self.stub = self.stub_class(self.channel)
 
     def close(self) -> None:

@@ -106,6 +106,12 @@ class ServiceConfig:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def max_receive_bytes(self) -> int:
+        """The largest request message the server reads (gRPC refuses larger ones with
+        RESOURCE_EXHAUSTED before decoding them); services without KV payloads lower it."""
+        return self.max_message_mb << 20
+
 
 @dataclass(frozen=True)
 class PlannerConfig(ServiceConfig):
@@ -116,11 +122,20 @@ class PlannerConfig(ServiceConfig):
     default_strategy: str = _env("KVPLAN_DEFAULT_STRATEGY", "full", "strategy used when a job names none")
     profile_sample: float = _env("KVPLAN_PROFILE_SAMPLE", 0.1,
                                  "share of a profile's jobs a probing strategy probes (1: every job)")
+    max_tokens: int = _env("KVPLAN_PLANNER_MAX_TOKENS", 131072,
+                           "most tokens a Plan request may describe (prompt + suffix + new tokens, token_ids)")
 
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 < self.profile_sample <= 1.0:
             raise ConfigError(f"KVPLAN_PROFILE_SAMPLE must be in (0, 1], got {self.profile_sample}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"KVPLAN_PLANNER_MAX_TOKENS must be >= 1, got {self.max_tokens}")
+
+    @property
+    def max_receive_bytes(self) -> int:
+        """A PlanRequest's token ids (5 bytes each at most) and a definition, with room to spare."""
+        return min(self.max_message_mb << 20, 8 * self.max_tokens + (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,8 @@ class ExecutorConfig(ServiceConfig):
     redis_url: str = _env("KVPLAN_REDIS_URL", "", "Redis Stream job queue; empty: in-process queue")
     executor_id: str = _env("KVPLAN_EXECUTOR_ID", "", "consumer name in the job group; empty: host-pid")
     plan_deadline_s: float = _env("KVPLAN_PLAN_DEADLINE_S", 10.0, "deadline of a Plan call")
+    plan_deadline_per_1k_s: float = _env("KVPLAN_PLAN_DEADLINE_PER_1K_S", 10.0,
+                                         "added to a Plan call's deadline per 1000 prompt tokens (probes prefill them)")
     default_max_new_tokens: int = _env("KVPLAN_DEFAULT_MAX_NEW_TOKENS", 128)
     prefill_chunk: int = _env("KVPLAN_PREFILL_CHUNK", 512, "prompt tokens per prefill step (progress granularity)")
     job_ttl_s: int = _env("KVPLAN_JOB_TTL_S", 86400, "how long finished jobs are kept")
@@ -144,13 +161,20 @@ class ExecutorConfig(ServiceConfig):
     prefetch_policy: str = _env("KVPLAN_PREFETCH_POLICY", "lowbit",
                                 "a prefetch late for its step: lowbit (attend over the low-bit rows) | wait")
     prefetch_timeout_s: float = _env("KVPLAN_PREFETCH_TIMEOUT_S", 0.05, "how long the `wait` policy waits")
+    max_prompt_bytes: int = _env("KVPLAN_MAX_PROMPT_BYTES", 512 << 10,
+                                 "most UTF-8 bytes of a job's prompt, messages and question (checked before tokenizing)")
+    max_queued: int = _env("KVPLAN_MAX_QUEUED", 1000, "most jobs waiting or running, all tenants together")
+    max_queued_per_tenant: int = _env("KVPLAN_MAX_QUEUED_PER_TENANT", 100, "most jobs waiting or running per tenant")
+    tenant_rate_per_min: int = _env("KVPLAN_TENANT_RATE_PER_MIN", 600, "job submissions per tenant per minute; 0: no limit")
+    redis_retry_s: float = _env("KVPLAN_REDIS_RETRY_S", 2.0,
+                                "how long an RPC retries an unreachable Redis (with backoff) before UNAVAILABLE")
 
     def __post_init__(self):
         super().__post_init__()
         if self.plan_deadline_s <= 0:
-    plan_deadline_per_1k_s: float = _env("KVPLAN_PLAN_DEADLINE_PER_1K_S", 10.0,
-                                         "added to a Plan call's deadline per 1000 prompt tokens (probes prefill them)")
             raise ConfigError("KVPLAN_PLAN_DEADLINE_S must be > 0")
+        if self.plan_deadline_per_1k_s < 0:
+            raise ConfigError("KVPLAN_PLAN_DEADLINE_PER_1K_S must be >= 0")
         if self.default_max_new_tokens < 1:
             raise ConfigError("KVPLAN_DEFAULT_MAX_NEW_TOKENS must be >= 1")
         if self.prefill_chunk < 1:
@@ -167,14 +191,26 @@ class ExecutorConfig(ServiceConfig):
             raise ConfigError(f"KVPLAN_PREFETCH_POLICY must be lowbit or wait, got {self.prefetch_policy!r}")
         if self.prefetch_timeout_s < 0:
             raise ConfigError(f"KVPLAN_PREFETCH_TIMEOUT_S must be >= 0, got {self.prefetch_timeout_s}")
+        for name, value in (("KVPLAN_MAX_PROMPT_BYTES", self.max_prompt_bytes), ("KVPLAN_MAX_QUEUED", self.max_queued),
+                            ("KVPLAN_MAX_QUEUED_PER_TENANT", self.max_queued_per_tenant)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.tenant_rate_per_min < 0:
+            raise ConfigError(f"KVPLAN_TENANT_RATE_PER_MIN must be >= 0, got {self.tenant_rate_per_min}")
+        if self.redis_retry_s < 0:
+            raise ConfigError(f"KVPLAN_REDIS_RETRY_S must be >= 0, got {self.redis_retry_s}")
+
+    @property
+    def max_receive_bytes(self) -> int:
+        """A GenerateRequest holds the prompt (or messages) and a question: twice the prompt
+        limit, with room for the other fields."""
+        return min(self.max_message_mb << 20, 2 * self.max_prompt_bytes + (64 << 10))
 
     @property
     def prefetch_wait_s(self) -> float:
         """How long an offload layer waits for a late prefetch (0 under `lowbit`)."""
         return self.prefetch_timeout_s if self.prefetch_policy == "wait" else 0.0
 
-        if self.plan_deadline_per_1k_s < 0:
-            raise ConfigError("KVPLAN_PLAN_DEADLINE_PER_1K_S must be >= 0")
 
 @dataclass(frozen=True)
 class CachestoreConfig(ServiceConfig):
@@ -210,4 +246,34 @@ class ClusterConfig:
     start_timeout_s: float = _env("KVPLAN_START_TIMEOUT_S", 180.0, "how long `kvplan up` waits for SERVING")
 
 
-ALL_CONFIGS = (ModelConfig, PlannerConfig, ExecutorConfig, CachestoreConfig, ClientConfig, ClusterConfig)
+AUTH_MODES = ("on", "off")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """API keys and TLS, the same for every process (servers and their clients); docs/security.md."""
+
+    auth: str = _env("KVPLAN_AUTH", "on", "on | off: every RPC needs an API key (off: local development only)")
+    keys_file: str = _env("KVPLAN_AUTH_KEYS_FILE", "", "the API keys' hashes, tenants and roles (YAML or JSON)")
+    api_key: str = _env("KVPLAN_API_KEY", "", "the key this process sends: the CLI's, or a service's calling another")
+    tls_cert_file: str = _env("KVPLAN_TLS_CERT_FILE", "", "PEM certificate: a server's (and its client certificate)")
+    tls_key_file: str = _env("KVPLAN_TLS_KEY_FILE", "", "PEM private key of KVPLAN_TLS_CERT_FILE")
+    tls_ca_file: str = _env("KVPLAN_TLS_CA_FILE", "", "PEM CA a client trusts (set: clients use TLS)")
+    tls_client_auth: bool = _env("KVPLAN_TLS_CLIENT_AUTH", False,
+                                 "servers require client certificates signed by KVPLAN_TLS_CA_FILE (mutual TLS)")
+
+    def __post_init__(self):
+        if self.auth not in AUTH_MODES:
+            raise ConfigError(f"KVPLAN_AUTH must be on or off, got {self.auth!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("KVPLAN_TLS_CERT_FILE and KVPLAN_TLS_KEY_FILE go together: set both or neither")
+        if self.tls_client_auth and not (self.tls_ca_file and self.tls_cert_file):
+            raise ConfigError("KVPLAN_TLS_CLIENT_AUTH needs KVPLAN_TLS_CA_FILE and a server certificate")
+
+    @property
+    def auth_on(self) -> bool:
+        return self.auth == "on"
+
+
+ALL_CONFIGS = (ModelConfig, PlannerConfig, ExecutorConfig, CachestoreConfig, ClientConfig, ClusterConfig,
+               SecurityConfig)

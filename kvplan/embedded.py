@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import threading
 
-from kvplan.config import CachestoreConfig, ExecutorConfig, ModelConfig, PlannerConfig, from_env
+from kvplan.config import CachestoreConfig, ExecutorConfig, ModelConfig, PlannerConfig, SecurityConfig, from_env
 from kvplan import launch, serving
 
 
@@ -68,7 +68,9 @@ class Embedded:
                 raise RuntimeError(f"embedded {svc.name} failed to start: {error}")
 
     async def _add(self, name: str, svc: serving.Service, cfg) -> None:
-        server, port = await serving.start(svc, cfg, with_metrics=False)
+        # loopback, ephemeral ports, this process only: the one setup that runs without API keys
+        security = dataclasses.replace(from_env(SecurityConfig), auth="off")
+        server, port = await serving.start(svc, cfg, with_metrics=False, security=security)
         self._servers.append((server, svc))
         self.addresses[name] = f"127.0.0.1:{port}"
 

@@ -67,9 +67,9 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
     try:
         plan = s.plan(inp, "local")
     except InvalidRequest as e:
-        if e.field == "token_ids":
+        if e.field == "token_ids" and ids is None:
             raise BadInput(f"--prompt-file: strategy {s.name} probes the prompt: give --prompt-file") from None
-        raise BadInput(str(e)) from None
+        raise BadInput(f"--prompt-file: {e}" if e.field == "token_ids" else str(e)) from None
     if predict and ids:
         from planner.predict import from_probe
         plan = from_probe(plan, probe, shape)

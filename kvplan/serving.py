@@ -1,5 +1,6 @@
 """Serving plumbing every kvplan service shares: grpc.aio server, health, reflection, metrics,
-raised message limits, graceful shutdown on SIGTERM."""
+raised message limits, graceful shutdown on SIGTERM; API keys and TLS (`kvplan.auth`,
+`kvplan.channels`)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from kvplan.config import ServiceConfig
+from kvplan import auth, channels
+from kvplan.config import SecurityConfig, ServiceConfig, from_env
 
 log = logging.getLogger("kvplan.serving")
 
@@ -86,17 +88,23 @@ class Service:
     warm_task: asyncio.Task | None = None       # resolves to None when warm, or the warm-up's error
 
 
-async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True) -> tuple[grpc.aio.Server, int]:
+async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True,
+                security: SecurityConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server for `svc`; returns (server, bound port).
 
     Health reports NOT_SERVING until the service's warm-up is done; the warm-up runs in the
-    background so a slow model load never hides the health endpoint.
+    background so a slow model load never hides the health endpoint. `security` (default: from
+    the env): API keys checked by the `auth.Gate` interceptor, TLS from PEM files.
     """
-    server = grpc.aio.server(options=channel_options(cfg.max_message_mb), interceptors=[_MetricsInterceptor(svc.name)])
+    security = security or from_env(SecurityConfig)
+    options = [*channel_options(cfg.max_message_mb)[:1], ("grpc.max_receive_message_length", cfg.max_receive_bytes)]
+    server = grpc.aio.server(options=options,
+                             interceptors=[_MetricsInterceptor(svc.name), auth.Gate(auth.keyring(security))])
     svc.register(server)
     health_pb2_grpc.add_HealthServicer_to_server(svc.health, server)
     reflection.enable_server_reflection([reflection.SERVICE_NAME, health.SERVICE_NAME, *svc.full_names], server)
-    port = server.add_insecure_port(cfg.address)
+    creds = channels.server_credentials(security)
+    port = server.add_secure_port(cfg.address, creds) if creds else server.add_insecure_port(cfg.address)
     for name in ["", *svc.full_names]:
         await svc.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
@@ -124,6 +132,13 @@ async def shutdown(server: grpc.aio.Server, svc: Service, grace_s: float) -> Non
     if svc.warm_task and not svc.warm_task.done():
         svc.warm_task.cancel()
     await server.stop(grace_s)
+async def set_health(svc: Service, serving: bool) -> None:
+    """Report the whole server and each of its services SERVING or NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *svc.full_names]:
+        await svc.health.set(name, status)
+
+
     if svc.stop:
         await svc.stop()
 
@@ -150,7 +165,7 @@ async def serve_forever(svc: Service, cfg: ServiceConfig) -> int:
 async def wait_serving(address: str, timeout_s: float, service: str = "") -> bool:
     """Poll grpc.health.v1 at `address` until SERVING or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with channels.aio_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:
@@ -165,7 +180,7 @@ async def wait_serving(address: str, timeout_s: float, service: str = "") -> boo
 
 def check_health(address: str, timeout_s: float = 2.0, service: str = "") -> str:
     """One synchronous health check: "SERVING", "NOT_SERVING", or "DOWN"."""
-    with grpc.insecure_channel(address) as ch:
+    with channels.client_channel(address) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError:

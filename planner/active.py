@@ -28,8 +28,23 @@ class MemoryActive:
         if activate:
             self._name = name
 
+    async def delete(self, name: str, fallback: str) -> bool:
+        """Remove a definition (False: there is none); if it was active, `fallback` is."""
+        if self._definitions.pop(name, None) is None:
+            return False
+        if self._name == name:
+            self._name = fallback
+        return True
+
     async def close(self) -> None:
         pass
+
+
+_DELETE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('SET', KEYS[2], ARGV[2]) end
+return 1
+"""
 
 
 class RedisActive:
@@ -58,6 +73,11 @@ class RedisActive:
             if activate:
                 p.set(ACTIVE_KEY, name)
             await p.execute()
+
+    async def delete(self, name: str, fallback: str) -> bool:
+        """Remove a definition (False: there is none); if it was active, `fallback` is (one
+        script, so a planner replica never sees the active name without its definition)."""
+        return bool(await self._r.eval(_DELETE, 2, DEFINITIONS_KEY, ACTIVE_KEY, name, fallback))
 
     async def close(self) -> None:
         await self._r.aclose()

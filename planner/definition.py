@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -34,6 +35,9 @@ from kvplan.plan import KVCrush, Quant
 from planner.request import InvalidRequest
 
 SCHEMA: dict[str, Any] = json.loads(Path(__file__).with_name("strategy.schema.json").read_text())
+MAX_DEFINITION_BYTES = 64 << 10    # a definition's text; the schema bounds every number in it
+MAX_NODES = 4096                   # values in a parsed definition (YAML aliases can share, not multiply)
+MAX_DEPTH = 32                     # bracket nesting
 RESERVED: dict[str, str] = {}      # part names kept for later issues, refused with the reason
 
 
@@ -122,17 +126,55 @@ PARTS = {"eviction": EvictionPart, "kvcrush": KVCrush, "codebook": CodebookPart,
 
 
 def loads(text: str, kinds: Iterable[str], field: str = "definition") -> Definition:
-    """A definition from JSON or YAML text (YAML reads both)."""
+    """A definition from JSON or YAML text (YAML reads both), at most MAX_DEFINITION_BYTES."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_DEFINITION_BYTES:
+        raise DefinitionError(field, f"{size} bytes; a definition is at most {MAX_DEFINITION_BYTES}")
+    if _bracket_depth(text) > MAX_DEPTH:
+        raise DefinitionError(field, f"nested more than {MAX_DEPTH} brackets deep")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise DefinitionError(field, f"not valid JSON or YAML: {_one_line(e)}") from None
+    except RecursionError:
+        raise DefinitionError(field, "nested too deeply") from None
     return from_dict(data, kinds, field)
+
+
+def _bracket_depth(text: str) -> int:
+    """The deepest `[`/`{` nesting of the text (quotes not parsed: an over-estimate), so a
+    deeply nested document is refused before the YAML parser recurses into it."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _check_values(data: Any, field: str) -> None:
+    """Every number finite (JSON Schema's bounds let NaN through: it compares false), and the
+    whole at most MAX_NODES values (YAML aliases would make a walk of shared parts explode)."""
+    stack, seen = [(data, field)], 0
+    while stack:
+        value, path = stack.pop()
+        seen += 1
+        if seen > MAX_NODES:
+            raise DefinitionError(field, f"more than {MAX_NODES} values (or aliases sharing them)")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DefinitionError(path, f"must be a finite number, got {value}")
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
 
 
 def from_dict(data: Any, kinds: Iterable[str], field: str = "definition") -> Definition:
     if not isinstance(data, dict):
         raise DefinitionError(field, f"must be a mapping of fields, got {type(data).__name__}")
+    _check_values(data, field)
     for name, why in RESERVED.items():
         if name in data:
             raise DefinitionError(f"{field}.{name}", why)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from executor import scoring        # the executor's own scoring math, so probe and cache select alike
+from planner.request import InvalidRequest
 
 K_SIMILAR, V_SIMILAR = 0.9, 0.6     # the cosine thresholds of SpindleKV's observation plots
 FRACTIONS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.0)   # context share kept per KV head
@@ -169,6 +170,16 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     return np.array(evict), np.array(retained), np.array(quant)
 
 
+def check_tokens(token_ids: list[int], max_context: int, vocab_size: int) -> None:
+    """A probe's token ids fit the model (InvalidRequest naming `token_ids` otherwise): checked
+    before the prefill, so a prompt past the context or an id past the vocabulary costs nothing."""
+    if len(token_ids) > max_context:
+        raise InvalidRequest("token_ids", f"{len(token_ids)} ids exceed the model's context of {max_context} tokens")
+    lo, hi = min(token_ids), max(token_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidRequest("token_ids", f"must be in [0, {vocab_size}) (the model's vocabulary), got [{lo}, {hi}]")
+
+
 class Prober:
     """Runs probes on the model of `model_cfg` (loaded on first use, once, thread-safe)."""
 
@@ -194,6 +205,7 @@ class Prober:
             raise ValueError("token_ids: the probe needs the prompt's tokens, got none")
         start = time.perf_counter()
         lm = self.model()
+        check_tokens(token_ids, lm.max_context, lm.model.config.vocab_size)
         inner = lm.model.model
         hk, hq, d = lm.num_kv_heads, lm.num_query_heads, lm.head_dim
         t = len(token_ids)

@@ -67,20 +67,34 @@ def validate_budget(budget, field: str = "budget") -> tuple[float | None, int | 
     return 1.0, None
 
 
-def parse(req: planner_pb2.PlanRequest, strategy: str) -> PlanInput:
+# The largest model a plan request may describe (SmolLM2-135M: 30 layers, 9/3 heads, head dim 64;
+# the largest open models stay well inside): a plan and its budget arithmetic grow with these.
+MODEL_LIMITS = {"num_layers": 512, "num_kv_heads": 256, "num_query_heads": 1024, "head_dim": 1024}
+MAX_TOKENS = 131072        # prompt + suffix + new tokens, the default of KVPLAN_PLANNER_MAX_TOKENS
+
+
+def parse(req: planner_pb2.PlanRequest, strategy: str, max_tokens: int = MAX_TOKENS) -> PlanInput:
+    """Every field checked and bounded before any planning: the model's shape (MODEL_LIMITS) and
+    the tokens the job holds (at most `max_tokens` together) bound the work a plan costs."""
     m = req.model
-    for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
-        if getattr(m, name) < 1:
-            raise InvalidRequest(f"model.{name}", f"must be >= 1, got {getattr(m, name)}")
+    for name, limit in MODEL_LIMITS.items():
+        if not 1 <= getattr(m, name) <= limit:
+            raise InvalidRequest(f"model.{name}", f"must be in [1, {limit}], got {getattr(m, name)}")
     if m.num_query_heads % m.num_kv_heads:
         raise InvalidRequest("model.num_query_heads", "must be a multiple of model.num_kv_heads")
-    if req.prompt_tokens < 0:
-        raise InvalidRequest("prompt_tokens", f"must be >= 0, got {req.prompt_tokens}")
-    for name in ("suffix_tokens", "new_tokens"):
-        if getattr(req, name) < 0:
-            raise InvalidRequest(name, f"must be >= 0, got {getattr(req, name)}")
+    total = 0
+    for name in ("prompt_tokens", "suffix_tokens", "new_tokens"):
+        n = getattr(req, name)
+        if n < 0:
+            raise InvalidRequest(name, f"must be >= 0, got {n}")
+        total += n
+        if total > max_tokens:
+            raise InvalidRequest(name, f"prompt_tokens + suffix_tokens + new_tokens must be <= {max_tokens}, "
+                                       f"got {total}{'' if name == 'prompt_tokens' else ' or more'}")
     if req.token_ids and len(req.token_ids) != req.prompt_tokens:
         raise InvalidRequest("token_ids", f"has {len(req.token_ids)} ids, prompt_tokens says {req.prompt_tokens}")
+    if req.token_ids and min(req.token_ids) < 0:
+        raise InvalidRequest("token_ids", f"must be >= 0, got {min(req.token_ids)}")
     ratio, tokens = validate_budget(req.budget)
     return PlanInput(
         job_id=req.job_id, strategy=strategy, prompt_tokens=int(req.prompt_tokens),

@@ -20,6 +20,7 @@ import uuid
 import grpc
 from prometheus_client import Counter
 
+from kvplan import auth
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
 from planner import predict, profiles, request
@@ -46,9 +47,16 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     async def Plan(self, req: planner_pb2.PlanRequest, context) -> common_pb2.CompressionPlan:
         try:
+            auth.acting_tenant(req.tenant, "")
+        except auth.Denied as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            inp = request.parse(req, req.strategy or "default", self.cfg.max_tokens)   # bounded before any work
             name = req.strategy or await self._default(req.budget)
-            strategy = await self._lookup(name, "strategy")
-            inp = request.parse(req, name)
+            strategy = await self._resolve(req.strategy, name)
+            inp = dataclasses.replace(inp, strategy=strategy.name)
             if req.predict and not req.token_ids:
                 raise request.InvalidRequest("token_ids", "predict probes the prompt: send token_ids")
             probe = self._probe(strategy.name, list(req.token_ids))
@@ -94,15 +102,38 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         ratio, tokens = request.validate_budget(budget)
         return "auto" if active == "full" and (tokens is not None or ratio < 1.0) else active
 
+    async def DeleteStrategy(self, req: planner_pb2.DeleteStrategyRequest, context) -> planner_pb2.StrategyList:
+        """Remove a custom definition (admin; the gate checks the role). When it was the active
+        default, the configured default (KVPLAN_DEFAULT_STRATEGY) is active again."""
+        if req.name in STRATEGIES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {req.name!r} is a shipped strategy")
+        if not await self.active.delete(req.name, self.cfg.default_strategy):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: no custom strategy {req.name!r}")
+        log.info("deleted strategy definition %s", auth.printable(req.name))
+        return await self.ListStrategies(planner_pb2.ListStrategiesRequest(), context)
+
+    async def _resolve(self, asked: str, name: str) -> Strategy:
+        """The job's strategy. A default that cannot be read back (a stored definition that no
+        longer validates) plans with `full`, with a logged error, instead of failing every job."""
+        if asked:
+            return await self._lookup(name, "strategy")
+        try:
+            return await self._lookup(name, "strategy")
+        except request.InvalidRequest as e:
+            log.error("the active strategy cannot be used (%s); planning with full until it is fixed "
+                      "(kvplan strategies set NAME, or DeleteStrategy)", e)
+            return STRATEGIES["full"]
+
     async def _strategies(self) -> dict[str, Strategy]:
-        """The presets, then the custom definitions (shared through Redis when configured)."""
+        """The presets, then the custom definitions (shared through Redis when configured), each
+        validated again when read: one that no longer validates is left out, with a logged error."""
         custom = {}
         for name, text in (await self.active.definitions()).items():
             if text not in self._built:
                 try:
                     self._built[text] = build(parse(text))
-                except request.InvalidRequest as e:    # stored by a planner of another schema
-                    log.warning("skipping stored definition %s: %s", name, e)
+                except (request.InvalidRequest, ValueError, TypeError) as e:
+                    log.error("stored definition %s does not validate; leaving it out: %s", auth.printable(name), e)
                     continue
             custom[name] = self._built[text]
         return {**STRATEGIES, **custom}
@@ -123,7 +154,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if d.name in STRATEGIES:
             raise request.InvalidRequest("definition.name", f"{d.name!r} is a shipped strategy; give yours another name")
         stored = (await self.active.definitions()).get(d.name)
-        prev = parse(stored) if stored else None
+        try:
+            prev = parse(stored) if stored else None
+        except request.InvalidRequest:          # a stored definition that no longer validates: replaced
+            prev = None
         if not d.version:
             same = prev is not None and dataclasses.replace(d, version=prev.version) == prev
             d = dataclasses.replace(d, version=prev.version if same else _next_version(prev))

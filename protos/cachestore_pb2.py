@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/cachestore.proto\x12\tkvplan.v1\"\xae\x01\n\x0fRegisterRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06layers\x18\x03 \x01(\x05\x12\x10\n\x08kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nmax_tokens\x18\x07 \x01(\x03\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x15\n\rshared_memory\x18\t \x01(\x08\"J\n\rRegisterReply\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\"\x8b\x01\n\x14PrefetchLayerRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x19\n\rtoken_indices\x18\x06 \x03(\x03\x42\x02\x10\x01\x12\x0c\n\x04rows\x18\x07 \x01(\x03\"^\n\x12PrefetchLayerReply\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x1c\n\x01k\x18\x02 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x1c\n\x01v\x18\x03 \x01(\x0b\x32\x11.kvplan.v1.Tensor\";\n\x05\x43hunk\x12\t\n\x01k\x18\x01 \x01(\x0c\x12\t\n\x01v\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"J\n\x08\x42lockKey\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0f\n\x07kv_head\x18\x04 \x01(\x05\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x8a\x01\n\nPutRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.kvplan.v1.BlockKey\x12\x11\n\tpositions\x18\x02 \x03(\x03\x12\x1c\n\x01k\x18\x03 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x1c\n\x01v\x18\x04 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x0b\n\x03pin\x18\x05 \x01(\x08\"\'\n\x08PutReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"S\n\nGetRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.kvplan.v1.BlockKey\x12\x15\n\rtoken_indices\x18\x02 \x03(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"i\n\x08GetReply\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x1c\n\x01k\x18\x02 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x1c\n\x01v\x18\x03 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x0e\n\x06staged\x18\x04 \x01(\x08\"X\n\x0fPrefetchRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.kvplan.v1.BlockKey\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rtoken_indices\x18\x03 \x03(\x03\"!\n\rPrefetchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\">\n\x0eReleaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04keep\x18\x03 \x01(\x08\"#\n\x0cReleaseReply\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\".\n\x0cStatsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"\xfd\x01\n\nStatsReply\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\x12\x0c\n\x04jobs\x18\x04 \x01(\x03\x12\x13\n\x0bpinned_jobs\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x0c\n\x04hits\x18\x07 \x01(\x03\x12\x0e\n\x06misses\x18\x08 \x01(\x03\x12\x12\n\nprefetches\x18\t \x01(\x03\x12\x15\n\rprefetch_hits\x18\n \x01(\x03\x12\x11\n\ttransport\x18\x0b \x01(\t\x12\x0f\n\x07spilled\x18\x0c \x01(\x03\x12\x10\n\x08reloaded\x18\r \x01(\x03\x32\xf7\x03\n\nCacheStore\x12\x31\n\x03Put\x12\x15.kvplan.v1.PutRequest\x1a\x13.kvplan.v1.PutReply\x12\x31\n\x03Get\x12\x15.kvplan.v1.GetRequest\x1a\x13.kvplan.v1.GetReply\x12@\n\x08Prefetch\x12\x1a.kvplan.v1.PrefetchRequest\x1a\x18.kvplan.v1.PrefetchReply\x12=\n\x07Release\x12\x19.kvplan.v1.ReleaseRequest\x1a\x17.kvplan.v1.ReleaseReply\x12\x37\n\x05Stats\x12\x17.kvplan.v1.StatsRequest\x1a\x15.kvplan.v1.StatsReply\x12@\n\x08Register\x12\x1a.kvplan.v1.RegisterRequest\x1a\x18.kvplan.v1.RegisterReply\x12O\n\rPrefetchLayer\x12\x1f.kvplan.v1.PrefetchLayerRequest\x1a\x1d.kvplan.v1.PrefetchLayerReply\x12\x36\n\tGetStream\x12\x15.kvplan.v1.GetRequest\x1a\x10.kvplan.v1.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/cachestore.proto\x12\tkvplan.v1\"\xbf\x01\n\x0fRegisterRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06layers\x18\x03 \x01(\x05\x12\x10\n\x08kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nmax_tokens\x18\x07 \x01(\x03\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x15\n\rshared_memory\x18\t \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\n \x01(\x05\"J\n\rRegisterReply\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\"\x8b\x01\n\x14PrefetchLayerRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x19\n\rtoken_indices\x18\x06 \x03(\x03\x42\x02\x10\x01\x12\x0c\n\x04rows\x18\x07 \x01(\x03\"^\n\x12PrefetchLayerReply\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x1c\n\x01k\x18\x02 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x1c\n\x01v\x18\x03 \x01(\x0b\x32\x11.kvplan.v1.Tensor\";\n\x05\x43hunk\x12\t\n\x01k\x18\x01 \x01(\x0c\x12\t\n\x01v\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"J\n\x08\x42lockKey\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05layer\x18\x03 \x01(\x05\x12\x0f\n\x07kv_head\x18\x04 \x01(\x05\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x8a\x01\n\nPutRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.kvplan.v1.BlockKey\x12\x11\n\tpositions\x18\x02 \x03(\x03\x12\x1c\n\x01k\x18\x03 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x1c\n\x01v\x18\x04 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x0b\n\x03pin\x18\x05 \x01(\x08\"\'\n\x08PutReply\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"S\n\nGetRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.kvplan.v1.BlockKey\x12\x15\n\rtoken_indices\x18\x02 \x03(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"i\n\x08GetReply\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x1c\n\x01k\x18\x02 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x1c\n\x01v\x18\x03 \x01(\x0b\x32\x11.kvplan.v1.Tensor\x12\x0e\n\x06staged\x18\x04 \x01(\x08\"X\n\x0fPrefetchRequest\x12 \n\x03key\x18\x01 \x01(\x0b\x32\x13.kvplan.v1.BlockKey\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rtoken_indices\x18\x03 \x03(\x03\"!\n\rPrefetchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\">\n\x0eReleaseRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04keep\x18\x03 \x01(\x08\"#\n\x0cReleaseReply\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\".\n\x0cStatsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"\xfd\x01\n\nStatsReply\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\x12\x0c\n\x04jobs\x18\x04 \x01(\x03\x12\x13\n\x0bpinned_jobs\x18\x05 \x01(\x03\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x0c\n\x04hits\x18\x07 \x01(\x03\x12\x0e\n\x06misses\x18\x08 \x01(\x03\x12\x12\n\nprefetches\x18\t \x01(\x03\x12\x15\n\rprefetch_hits\x18\n \x01(\x03\x12\x11\n\ttransport\x18\x0b \x01(\t\x12\x0f\n\x07spilled\x18\x0c \x01(\x03\x12\x10\n\x08reloaded\x18\r \x01(\x03\x32\xf7\x03\n\nCacheStore\x12\x31\n\x03Put\x12\x15.kvplan.v1.PutRequest\x1a\x13.kvplan.v1.PutReply\x12\x31\n\x03Get\x12\x15.kvplan.v1.GetRequest\x1a\x13.kvplan.v1.GetReply\x12@\n\x08Prefetch\x12\x1a.kvplan.v1.PrefetchRequest\x1a\x18.kvplan.v1.PrefetchReply\x12=\n\x07Release\x12\x19.kvplan.v1.ReleaseRequest\x1a\x17.kvplan.v1.ReleaseReply\x12\x37\n\x05Stats\x12\x17.kvplan.v1.StatsRequest\x1a\x15.kvplan.v1.StatsReply\x12@\n\x08Register\x12\x1a.kvplan.v1.RegisterRequest\x1a\x18.kvplan.v1.RegisterReply\x12O\n\rPrefetchLayer\x12\x1f.kvplan.v1.PrefetchLayerRequest\x1a\x1d.kvplan.v1.PrefetchLayerReply\x12\x36\n\tGetStream\x12\x15.kvplan.v1.GetRequest\x1a\x10.kvplan.v1.Chunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFETCHLAYERREQUEST'].fields_by_name['token_indices']._loaded_options = None
   _globals['_PREFETCHLAYERREQUEST'].fields_by_name['token_indices']._serialized_options = b'\020\001'
   _globals['_REGISTERREQUEST']._serialized_start=39
-  _globals['_REGISTERREQUEST']._serialized_end=213
-  _globals['_REGISTERREPLY']._serialized_start=215
-  _globals['_REGISTERREPLY']._serialized_end=289
-  _globals['_PREFETCHLAYERREQUEST']._serialized_start=292
-  _globals['_PREFETCHLAYERREQUEST']._serialized_end=431
-  _globals['_PREFETCHLAYERREPLY']._serialized_start=433
-  _globals['_PREFETCHLAYERREPLY']._serialized_end=527
-  _globals['_CHUNK']._serialized_start=529
-  _globals['_CHUNK']._serialized_end=588
-  _globals['_BLOCKKEY']._serialized_start=590
-  _globals['_BLOCKKEY']._serialized_end=664
-  _globals['_TENSOR']._serialized_start=666
-  _globals['_TENSOR']._serialized_end=718
-  _globals['_PUTREQUEST']._serialized_start=721
-  _globals['_PUTREQUEST']._serialized_end=859
-  _globals['_PUTREPLY']._serialized_start=861
-  _globals['_PUTREPLY']._serialized_end=900
-  _globals['_GETREQUEST']._serialized_start=902
-  _globals['_GETREQUEST']._serialized_end=985
-  _globals['_GETREPLY']._serialized_start=987
-  _globals['_GETREPLY']._serialized_end=1092
-  _globals['_PREFETCHREQUEST']._serialized_start=1094
-  _globals['_PREFETCHREQUEST']._serialized_end=1182
-  _globals['_PREFETCHREPLY']._serialized_start=1184
-  _globals['_PREFETCHREPLY']._serialized_end=1217
-  _globals['_RELEASEREQUEST']._serialized_start=1219
-  _globals['_RELEASEREQUEST']._serialized_end=1281
-  _globals['_RELEASEREPLY']._serialized_start=1283
-  _globals['_RELEASEREPLY']._serialized_end=1318
-  _globals['_STATSREQUEST']._serialized_start=1320
-  _globals['_STATSREQUEST']._serialized_end=1366
-  _globals['_STATSREPLY']._serialized_start=1369
-  _globals['_STATSREPLY']._serialized_end=1622
-  _globals['_CACHESTORE']._serialized_start=1625
-  _globals['_CACHESTORE']._serialized_end=2128
+  _globals['_REGISTERREQUEST']._serialized_end=230
+  _globals['_REGISTERREPLY']._serialized_start=232
+  _globals['_REGISTERREPLY']._serialized_end=306
+  _globals['_PREFETCHLAYERREQUEST']._serialized_start=309
+  _globals['_PREFETCHLAYERREQUEST']._serialized_end=448
+  _globals['_PREFETCHLAYERREPLY']._serialized_start=450
+  _globals['_PREFETCHLAYERREPLY']._serialized_end=544
+  _globals['_CHUNK']._serialized_start=546
+  _globals['_CHUNK']._serialized_end=605
+  _globals['_BLOCKKEY']._serialized_start=607
+  _globals['_BLOCKKEY']._serialized_end=681
+  _globals['_TENSOR']._serialized_start=683
+  _globals['_TENSOR']._serialized_end=735
+  _globals['_PUTREQUEST']._serialized_start=738
+  _globals['_PUTREQUEST']._serialized_end=876
+  _globals['_PUTREPLY']._serialized_start=878
+  _globals['_PUTREPLY']._serialized_end=917
+  _globals['_GETREQUEST']._serialized_start=919
+  _globals['_GETREQUEST']._serialized_end=1002
+  _globals['_GETREPLY']._serialized_start=1004
+  _globals['_GETREPLY']._serialized_end=1109
+  _globals['_PREFETCHREQUEST']._serialized_start=1111
+  _globals['_PREFETCHREQUEST']._serialized_end=1199
+  _globals['_PREFETCHREPLY']._serialized_start=1201
+  _globals['_PREFETCHREPLY']._serialized_end=1234
+  _globals['_RELEASEREQUEST']._serialized_start=1236
+  _globals['_RELEASEREQUEST']._serialized_end=1298
+  _globals['_RELEASEREPLY']._serialized_start=1300
+  _globals['_RELEASEREPLY']._serialized_end=1335
+  _globals['_STATSREQUEST']._serialized_start=1337
+  _globals['_STATSREQUEST']._serialized_end=1383
+  _globals['_STATSREPLY']._serialized_start=1386
+  _globals['_STATSREPLY']._serialized_end=1639
+  _globals['_CACHESTORE']._serialized_start=1642
+  _globals['_CACHESTORE']._serialized_end=2145
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("tenant", "job_id", "layers", "kv_heads", "head_dim", "dtype", "max_tokens", "top_k", "shared_memory")
+    __slots__ = ("tenant", "job_id", "layers", "kv_heads", "head_dim", "dtype", "max_tokens", "top_k", "shared_memory", "attempt")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RegisterRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     job_id: str
     layers: int
@@ -26,7 +27,8 @@ class RegisterRequest(_message.Message):
     max_tokens: int
     top_k: int
     shared_memory: bool
-    def __init__(self, tenant: _Optional[str] = ..., job_id: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    attempt: int
+    def __init__(self, tenant: _Optional[str] = ..., job_id: _Optional[str] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., max_tokens: _Optional[int] = ..., top_k: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("transport", "segment", "segment_bytes")

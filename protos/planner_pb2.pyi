@@ -80,3 +80,9 @@ class SetStrategyRequest(_message.Message):
     definition: str
     activate: bool
     def __init__(self, name: _Optional[str] = ..., definition: _Optional[str] = ..., activate: _Optional[bool] = ...) -> None: ...
+
+class DeleteStrategyRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...

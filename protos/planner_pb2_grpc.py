@@ -50,6 +50,11 @@ class PlannerStub:
                 request_serializer=protos_dot_planner__pb2.SetStrategyRequest.SerializeToString,
                 response_deserializer=protos_dot_planner__pb2.StrategyInfo.FromString,
                 _registered_method=True)
+        self.DeleteStrategy = channel.unary_unary(
+                '/kvplan.v1.Planner/DeleteStrategy',
+                request_serializer=protos_dot_planner__pb2.DeleteStrategyRequest.SerializeToString,
+                response_deserializer=protos_dot_planner__pb2.StrategyList.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -76,6 +81,14 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteStrategy(self, request, context):
+        """Remove a custom definition (admin). When it was the default, the planner's configured
+        default (KVPLAN_DEFAULT_STRATEGY) is again. Shipped strategies cannot be deleted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.SetStrategy,
                     request_deserializer=protos_dot_planner__pb2.SetStrategyRequest.FromString,
                     response_serializer=protos_dot_planner__pb2.StrategyInfo.SerializeToString,
+            ),
+            'DeleteStrategy': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStrategy,
+                    request_deserializer=protos_dot_planner__pb2.DeleteStrategyRequest.FromString,
+                    response_serializer=protos_dot_planner__pb2.StrategyList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Planner:
             '/kvplan.v1.Planner/SetStrategy',
             protos_dot_planner__pb2.SetStrategyRequest.SerializeToString,
             protos_dot_planner__pb2.StrategyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStrategy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplan.v1.Planner/DeleteStrategy',
+            protos_dot_planner__pb2.DeleteStrategyRequest.SerializeToString,
+            protos_dot_planner__pb2.StrategyList.FromString,
             options,
             channel_credentials,
             insecure,

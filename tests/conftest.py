@@ -1,11 +1,16 @@
 """Shared fixtures: a real redis-server on a free port, the real model, a tiny random model."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+# Services started by tests (in process and as subprocesses) run without API keys unless a test
+# turns authentication on itself (tests/kvplan/test_auth.py); production defaults to on.
+os.environ.setdefault("KVPLAN_AUTH", "off")
 
 from cachestore.process import free_port  # noqa: F401  (tests import it from here)
 from kvplan.cluster import wait_redis
@@ -69,7 +74,7 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(real_model_dir)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
     d = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).save_pretrained(d)

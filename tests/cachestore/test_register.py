@@ -1,0 +1,121 @@
+"""Register (issue 23) against a real cachestore over gRPC on 127.0.0.1: bounded by the capacity
+before any file exists, idempotent per job and attempt (a re-claimed job's second attempt
+replaces the first's segment and pin), undecodable bytes and malformed tenants refused."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from cachestore.client import CachestoreClient
+from cachestore.segment import leftovers
+from protos import cachestore_pb2 as pb
+from tests.cachestore.test_transport import H, D, CAP, K, Server, rows
+
+
+@pytest.fixture
+def server():
+    s = Server(capacity=1 << 24)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = CachestoreClient(f"127.0.0.1:{server.port}", timeout_s=5)
+    yield c
+    c.close()
+
+
+def mine() -> list[str]:
+    return [n for n in leftovers() if n.startswith("kvplan-rg-")]
+
+
+def register(client, attempt: int = 0, job: str = "j", **over) -> pb.RegisterReply:
+    fields = dict(tenant="rg", job_id=job, layers=1, kv_heads=H, head_dim=D, dtype="float16", max_tokens=CAP,
+                  top_k=K, shared_memory=True, attempt=attempt)
+    return client.stub.Register(pb.RegisterRequest(**{**fields, **over}), timeout=5)
+
+
+def expect(call, code: grpc.StatusCode, words: str) -> float:
+    t0 = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == code and words in e.value.details(), (e.value.code(), e.value.details())
+    return time.perf_counter() - t0
+
+
+def test_a_petabyte_register_is_resource_exhausted_before_any_file(client):
+    """Before: UNKNOWN, and a 4.5 PB sparse file left in /dev/shm."""
+    took = expect(lambda: register(client, layers=512, kv_heads=256, head_dim=1024, max_tokens=1 << 20),
+                  grpc.StatusCode.RESOURCE_EXHAUSTED, "does not fit")
+    assert took < 1.0 and mine() == []
+    stats = client.stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.used_bytes == 0 and stats.pinned_jobs == 0
+
+
+@pytest.mark.parametrize("field, value", [("layers", 10**6), ("max_tokens", 1 << 40), ("head_dim", 0), ("top_k", -1)])
+def test_register_sizes_are_bounded(client, field, value):
+    took = expect(lambda: register(client, **{field: value}), grpc.StatusCode.INVALID_ARGUMENT, f"{field}:")
+    assert took < 1.0 and mine() == []
+
+
+def test_register_is_idempotent_per_attempt_and_a_later_attempt_replaces_the_earlier(client):
+    """Before: a re-claimed specache job FAILED with `job_id ... is already registered`, and the
+    first attempt's segment and pinned capacity stayed until the cachestore stopped."""
+    first = register(client, attempt=1)
+    assert register(client, attempt=1).segment == first.segment           # a retried Register: same segment
+    used = client.stub.Stats(pb.StatsRequest(), timeout=5).used_bytes
+    second = register(client, attempt=2)                                  # the executor that re-claimed it
+    assert second.segment != first.segment and mine() == [second.segment]
+    stats = client.stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.used_bytes == used == first.segment_bytes and stats.pinned_jobs == 1
+    expect(lambda: register(client, attempt=1), grpc.StatusCode.FAILED_PRECONDITION, "attempt: 1")
+    assert mine() == [second.segment]
+    third = register(client, attempt=0)                                   # attempt not said: replaces too
+    assert mine() == [third.segment]
+    client.stub.Release(pb.ReleaseRequest(tenant="rg", job_id="j"), timeout=5)
+    assert mine() == [] and client.stub.Stats(pb.StatsRequest(), timeout=5).used_bytes == 0
+
+
+def test_a_reclaimed_grpc_job_starts_its_rows_over(server):
+    """Rows over gRPC: the second attempt's rows replace the first's (not appended to them)."""
+    c = CachestoreClient(f"127.0.0.1:{server.port}", transport="grpc", timeout_s=5)
+    try:
+        a = c.open("rg", "g", 1, H, D, torch.float16, CAP, K, attempt=1)
+        a.put(0, *rows(5))
+        b = c.open("rg", "g", 1, H, D, torch.float16, CAP, K, attempt=2)
+        b.put(0, *rows(3))
+        k, _ = b.read(0)
+        assert k.shape == (H, 3, D)
+        b.release()
+    finally:
+        c.close()
+
+
+def test_the_handle_of_a_second_attempt_works(client):
+    a = client.open("rg", "h", 1, H, D, torch.float16, CAP, K, attempt=1)
+    a.put(0, *rows(4))
+    b = client.open("rg", "h", 1, H, D, torch.float16, CAP, K, attempt=2)
+    b.put(0, *rows(6))
+    b.prefetch(0, 1, torch.tensor([[5], [0], [2]]))
+    assert b.take(0, 1, 5.0) is not None and not b.failed
+    b.release()
+    assert mine() == []
+
+
+@pytest.mark.parametrize("method", ["Register", "Put", "Get", "Release", "Stats", "PrefetchLayer"])
+def test_undecodable_bytes_are_invalid_argument(client, method):
+    call = client.channel.unary_unary(f"/kvplan.v1.CacheStore/{method}", request_serializer=None,
+                                      response_deserializer=None)
+    took = expect(lambda: call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
+    assert took < 1.0
+    assert client.stub.Stats(pb.StatsRequest(), timeout=5).capacity_bytes == 1 << 24
+
+
+def test_a_tenant_that_would_forge_a_log_line_is_refused(client):
+    expect(lambda: register(client, tenant="rg\n2026-01-01 INFO forged"), grpc.StatusCode.INVALID_ARGUMENT, "tenant:")
+    expect(lambda: client.stub.Release(pb.ReleaseRequest(tenant="a b", job_id="j"), timeout=5),
+           grpc.StatusCode.INVALID_ARGUMENT, "tenant:")

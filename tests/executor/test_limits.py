@@ -1,0 +1,122 @@
+"""Limits before work on the executor (issue 23), over real gRPC with the real model (the
+embedded default): each bad request of the hostile-client table is answered with a clear status
+in under a second and the executor keeps serving; the queue is bounded, per tenant too, with
+`retry-after` metadata."""
+import time
+
+import grpc
+import pytest
+
+from kvplan.client import ExecutorClient, request
+from kvplan.embedded import Embedded
+from kvplan.serving import check_health
+from protos import executor_pb2 as pb
+
+MAX_QUEUED, PER_TENANT = 6, 4
+
+
+@pytest.fixture(scope="module")
+def cluster(model_cfg, real_model_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVPLAN_MAX_QUEUED", str(MAX_QUEUED))
+    mp.setenv("KVPLAN_MAX_QUEUED_PER_TENANT", str(PER_TENANT))
+    try:
+        with Embedded(model_cfg) as e:
+            yield e
+    finally:
+        mp.undo()
+
+
+@pytest.fixture
+def client(cluster):
+    with ExecutorClient(cluster.executor_addr, timeout_s=300) as c:
+        yield c
+
+
+def rejected(call, code: grpc.StatusCode, field: str) -> float:
+    t0 = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    took = time.perf_counter() - t0
+    assert e.value.code() == code, (e.value.code(), e.value.details()[:200])
+    assert e.value.details().startswith(field), e.value.details()[:200]
+    return took
+
+
+def serving(cluster, client) -> None:
+    assert check_health(cluster.executor_addr) == "SERVING"
+    assert client.run(request("Say hi.", max_new_tokens=2)).result.generated_tokens >= 1
+
+
+@pytest.mark.parametrize("mb", [20, 200])
+def test_a_huge_prompt_is_refused_before_it_is_read(cluster, client, mb):
+    """Before: 200 MB killed the executor (tokenized before the length check); 20 MB took 32 s."""
+    raw = request("x" * (mb << 20)).SerializeToString()           # built before the clock starts
+    call = client.channel.unary_unary("/kvplan.v1.Executor/SubmitJob", request_serializer=None,
+                                      response_deserializer=None)
+    took = rejected(lambda: call(raw, timeout=30), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "SERVER: Received message larger than max")
+    assert took < 1.0
+    serving(cluster, client)
+
+
+BAD = [
+    (dict(prompt="word " * (110 << 10)), "prompt"),                      # past KVPLAN_MAX_PROMPT_BYTES, under gRPC's
+    (dict(prompt="hi", temperature=1e-40), "temperature"),               # accepted, then the job FAILED
+    (dict(prompt="hi", temperature=float("inf")), "temperature"),
+    (dict(prompt="hi", max_new_tokens=2**31 - 1), "max_new_tokens"),
+    (dict(prompt="hi", tenant="acme\n2026-01-01 INFO kvplan.executor: forged"), "tenant"),   # forged log lines
+    (dict(prompt="hi", profile="p" * 500), "profile"),
+    (dict(messages=[{"role": "user", "content": "x"}] * 2000), "messages"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD, ids=[f for _, f in BAD])
+def test_bad_input_is_invalid_argument_in_under_a_second(cluster, client, kwargs, field):
+    prompt = kwargs.pop("prompt", "")
+    took = rejected(lambda: client.submit(request(prompt, **kwargs)), grpc.StatusCode.INVALID_ARGUMENT, field + ":")
+    assert took < 1.0
+    serving(cluster, client)
+
+
+@pytest.mark.parametrize("method", ["SubmitJob", "GetJob", "CancelJob", "Generate", "WatchJob"])
+def test_undecodable_bytes_are_invalid_argument(cluster, client, method):
+    stream = method in ("Generate", "WatchJob")
+    make = client.channel.unary_stream if stream else client.channel.unary_unary
+    call = make(f"/kvplan.v1.Executor/{method}", request_serializer=None, response_deserializer=None)
+    took = rejected(lambda: list(call(b"\xff\xff\xff\x07garbage", timeout=5)) if stream else
+                    call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
+    assert took < 1.0
+    serving(cluster, client)
+
+
+def test_the_queue_is_bounded_globally_and_per_tenant(cluster, client):
+    """Before: 200 jobs in 0.63 s, all accepted."""
+    accepted, refused = [], []
+    t0 = time.perf_counter()
+    for i in range(200):
+        try:
+            accepted.append(client.submit(request("Write a long story.", max_new_tokens=300, tenant="flood")))
+        except grpc.RpcError as e:
+            refused.append(e)
+    took = time.perf_counter() - t0
+    try:
+        assert len(accepted) == PER_TENANT and len(refused) == 200 - PER_TENANT
+        e = refused[0]
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenant 'flood'" in e.details()
+        assert int(dict(e.trailing_metadata())["retry-after"]) >= 1
+        others = [client.submit(request("Write a long story.", max_new_tokens=300, tenant=f"t{i}"))
+                  for i in range(MAX_QUEUED - PER_TENANT)]
+        accepted += others
+        with pytest.raises(grpc.RpcError) as full:
+            client.submit(request("hi", tenant="late"))
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the queue is full" in full.value.details()
+        print(f"\n200 submissions in {took:.2f}s: {PER_TENANT} accepted, {len(refused)} RESOURCE_EXHAUSTED")
+    finally:
+        for st in accepted:
+            client.cancel(st.job_id)
+    deadline = time.monotonic() + 60
+    while any(client.get(st.job_id).state not in (pb.CANCELLED, pb.DONE) for st in accepted):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    serving(cluster, client)                       # the cancelled jobs left the queue: room again
