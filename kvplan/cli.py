@@ -2,34 +2,28 @@
 
     kvplan up | down | status                 local cluster as background processes
     kvplan generate [PROMPT] [options]        run a job (on the cluster, or embedded)
-    kvplan demo                               the built-in demo job
+    kvplan demo                               one question under full and under auto at 0.2, bytes side by side
     kvplan strategies [set NAME]              list / switch the planner's default strategy
     kvplan strategies define FILE [--activate] register a strategy definition (JSON/YAML); --activate: switch to it
     kvplan plan --strategy S --ratio R        plan a job in this process and print the per-layer plan
-    kvplan serve planner|executor|cachestore  run one service in the foreground
+    kvplan serve planner|executor|cachestore|http   run one service in the foreground
     kvplan prepare-model                      convert the model once into the cache dir
 
-Exit codes: 0 ok, 1 the job or a service failed, 2 bad input.
+Exit codes: 0 ok, 1 the job or a service failed, 2 bad input (checked before any service
+starts), 3 `generate --strict` and the job ran degraded or did not hold its budget.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import sys
 from pathlib import Path
 
 import grpc
 
+from kvplan import __version__
 from kvplan.config import ClientConfig, ClusterConfig, ConfigError, ModelConfig, from_env
-
-DEMO_CONTEXT = (
-    "The Meridian Line is a night train that leaves Lisbon at 21:40 and reaches Madrid at 07:15. "
-    "Its dining car serves grilled sardines, and the conductor, Ines Rocha, has worked on the line "
-    "for nineteen years. The train has eleven sleeping cars and one observation car at the rear."
-)
-DEMO_QUESTION = "Who is the conductor of the Meridian Line, and how long has she worked on it?"
+from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION  # noqa: F401  (tests use them)
 
 
 class UsageError(Exception):
@@ -38,31 +32,35 @@ class UsageError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvplan", description="LLM serving with planned KV-cache compression")
+    p.add_argument("--version", action="version", version=f"kvplan {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("up", help="start redis (if installed), planner, cachestore, executor in the background")
+    sub.add_parser("up", help="start redis (if installed), planner, cachestore, executor and the HTTP API "
+                              "in the background")
     sub.add_parser("down", help="stop every process `kvplan up` started")
     sub.add_parser("status", help="health of each process of the local cluster")
     sub.add_parser("prepare-model", help="convert the model to fp16 safetensors in KVPLAN_CACHE_DIR")
     s = sub.add_parser("serve", help="run one service in the foreground")
-    s.add_argument("service", choices=["planner", "executor", "cachestore"])
+    s.add_argument("service", choices=["planner", "executor", "cachestore", "http"])
+    sub.add_parser("demo", help="one question answered under full and under auto at 0.2, KV bytes side by side")
 
-    for name, helptext in (("generate", "run one job and stream its text"), ("demo", "run the built-in demo job")):
-        g = sub.add_parser(name, help=helptext)
-        if name == "generate":
-            g.add_argument("prompt", nargs="?", default=None, help="the context / prompt text")
-            g.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin)")
-            g.add_argument("--question", default="", help="appended after the compressed prompt")
-        g.add_argument("--strategy", default="", help="planner strategy (default: the planner's active one)")
-        budget = g.add_mutually_exclusive_group()
-        budget.add_argument("--ratio", type=float, default=None, help="KV reserve ratio in (0, 1]")
-        budget.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens")
-        g.add_argument("--max-new-tokens", type=int, default=None)
-        g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-        g.add_argument("--top-p", type=float, default=None)
-        g.add_argument("--seed", type=int, default=None)
-        g.add_argument("--tenant", default="")
-        g.add_argument("--json", action="store_true", help="print one JSON object with the result statistics")
-        g.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
+    g = sub.add_parser("generate", help="run one job and stream its text")
+    g.add_argument("prompt", nargs="?", default=None, help="the context / prompt text")
+    g.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin)")
+    g.add_argument("--question", default="", help="appended after the compressed prompt")
+    g.add_argument("--strategy", default="",
+                   help="planner strategy (default: the planner's active one; with a budget and a `full` default: auto)")
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--ratio", type=float, default=None, help="KV reserve ratio in (0, 1]")
+    budget.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--tenant", default="")
+    g.add_argument("--json", action="store_true", help="print one JSON object with the result statistics")
+    g.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
+    g.add_argument("--strict", action="store_true",
+                   help="exit 3 when the job ran degraded or did not hold its budget (warned on stderr always)")
 
     st = sub.add_parser("strategies", help="list the planner's strategies, `strategies set NAME`, "
                                            "or `strategies define FILE`")
@@ -92,12 +90,23 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:              # `kvplan strategies | head`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141                       # as a process killed by SIGPIPE
     except (UsageError, ConfigError) as e:
         print(f"kvplan: error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"kvplan: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        hint = ""
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            hint = ("\nkvplan: hint: no kvplan service answered at the configured address: `kvplan up` starts a "
+                    "local cluster (`kvplan status` shows it); without KVPLAN_*_ADDR and without a cluster, "
+                    "`generate` runs the embedded default")
+        print(f"kvplan: error: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     except RuntimeError as e:
         print(f"kvplan: error: {e}", file=sys.stderr)
@@ -134,32 +143,24 @@ def _dispatch(args) -> int:
     if args.cmd == "plan":
         return _plan(args, mcfg)
     if args.cmd == "demo":
-        args.prompt, args.prompt_file, args.question = DEMO_CONTEXT, None, DEMO_QUESTION
-    return _generate(args, ccfg, mcfg)
+        from kvplan import demo
+        from kvplan.jobrun import executor_address
+        with executor_address(ccfg, mcfg, quiet=False) as addr:
+            return demo.run(addr, from_env(ClientConfig).timeout_s)
+    from kvplan import jobrun
+    text = _read_prompt(args)
+    try:
+        return jobrun.generate(args, text, ccfg, mcfg)
+    except jobrun.BadFlag as e:
+        raise UsageError(str(e)) from None
 
 
 def _serve(service: str) -> int:
+    if service == "http":
+        from kvplan.gateway import run as run_http
+        return run_http()
     from kvplan.launch import run
     return run(service)
-
-
-@contextlib.contextmanager
-def _executor_address(ccfg: ClusterConfig, mcfg: ModelConfig, quiet: bool):
-    """An explicit KVPLAN_EXECUTOR_ADDR, else a running `kvplan up` cluster, else embedded."""
-    from kvplan import cluster
-    if "KVPLAN_EXECUTOR_ADDR" in os.environ:
-        yield from_env(ClientConfig).executor_addr
-        return
-    addr = cluster.running_executor(ccfg, mcfg)
-    if addr:
-        yield addr
-        return
-    from kvplan.embedded import Embedded
-    if not quiet:
-        print("kvplan: no cluster is up; running the embedded default (all services in this process)",
-              file=sys.stderr)
-    with Embedded(mcfg) as e:
-        yield e.executor_addr
 
 
 def _planner_address(ccfg: ClusterConfig, mcfg: ModelConfig) -> str | None:
@@ -241,7 +242,9 @@ def _plan(args, mcfg: ModelConfig) -> int:
         raise UsageError(str(e)) from None
     print(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))
     if args.plot:
-        planview.plot(plan, prompt_tokens, args.plot)
+        asked = f"ratio {args.ratio:g}" if args.ratio is not None else f"{args.kv_tokens} KV tokens"
+        planview.plot(plan, prompt_tokens, args.plot,
+                      asked + (f", {args.new_tokens} new tokens" if args.new_tokens else ""))
     return 0
 
 
@@ -256,35 +259,6 @@ def _read_prompt(args) -> str:
     if args.prompt is None:
         raise UsageError("give a PROMPT or --prompt-file")
     return args.prompt
-
-
-def _generate(args, ccfg: ClusterConfig, mcfg: ModelConfig) -> int:
-    from kvplan.client import ExecutorClient, request, result_dict
-    from kvplan.progress import EventPrinter
-
-    req = request(_read_prompt(args), question=args.question, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_p=args.top_p, seed=args.seed, strategy=args.strategy,
-                  reserve_ratio=args.ratio, kv_tokens=args.kv_tokens, tenant=args.tenant)
-    with _executor_address(ccfg, mcfg, quiet=args.json) as addr, \
-            ExecutorClient(addr, from_env(ClientConfig).timeout_s) as client:
-        printer = EventPrinter(stream_text=not args.json, progress=not args.no_progress)
-        st = client.run(req, printer)
-        printer.close()
-    if st.result is None:
-        state = st.status.state if st.status else 0
-        from protos import executor_pb2
-        name = executor_pb2.JobState.Name(state)
-        print(f"kvplan: job {st.job_id} ended {name}: {st.status.error if st.status else ''}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"job_id": st.job_id, **result_dict(st.result)}))
-    else:
-        r = st.result
-        print(f"\n[{r.strategy} plan {r.plan_id}: {r.prompt_tokens} prompt + {r.generated_tokens} generated tokens; "
-              f"KV {r.kv_bytes / 2**20:.2f} MiB of {r.full_kv_bytes / 2**20:.2f} MiB "
-              f"(reserve ratio {r.reserve_ratio:.3f}); prefill {r.prefill_s:.2f}s, "
-              f"decode {r.decode_tokens_per_s:.1f} tok/s{'; DEGRADED' if r.degraded else ''}]", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

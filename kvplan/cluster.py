@@ -1,6 +1,7 @@
 """`kvplan up/down/status`: the docker-compose topology as local background processes on
 loopback: a redis-server (when installed and KVPLAN_REDIS_URL is unset), planner, cachestore,
-executor. Pid files, logs and the addresses live in the state dir."""
+executor, and the OpenAI-compatible HTTP API over the executor. Pid files, logs and the
+addresses live in the state dir."""
 from __future__ import annotations
 
 import json
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import psutil
 
-from kvplan.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, ModelConfig, PlannerConfig,
+from kvplan.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, HttpConfig, ModelConfig, PlannerConfig,
                            from_env)
 from kvplan.serving import check_health
 
-SERVICES = ("planner", "cachestore", "executor")        # start order; stopped in reverse
+SERVICES = ("planner", "cachestore", "executor", "http")        # start order; stopped in reverse
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,13 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
         return existing
     env = dict(os.environ)
     pcfg, ccfg, ecfg = from_env(PlannerConfig), from_env(CachestoreConfig), from_env(ExecutorConfig)
-    for name, c in (("planner", pcfg), ("cachestore", ccfg), ("executor", ecfg)):
+    hcfg = from_env(HttpConfig)
+    for name, c in (("planner", pcfg), ("cachestore", ccfg), ("executor", ecfg), ("http", hcfg)):
         if not _port_free(c.port):
             raise RuntimeError(f"{name} port {c.port} on 127.0.0.1 is taken; set KVPLAN_{name.upper()}_PORT")
     env["KVPLAN_PLANNER_ADDR"] = f"127.0.0.1:{pcfg.port}"
     env["KVPLAN_CACHESTORE_ADDR"] = f"127.0.0.1:{ccfg.port}"
+    env["KVPLAN_EXECUTOR_ADDR"] = f"127.0.0.1:{ecfg.port}"       # the HTTP API's executor
     members: list[Member] = []
     try:
         redis_url = cfg.redis_url
@@ -107,12 +110,12 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
             echo("kvplan: redis-server not installed; the executor keeps its job queue in process")
         for name in SERVICES:
             p = _spawn(name, [sys.executable, "-m", "kvplan.cli", "serve", name], env, d)
-            port = {"planner": pcfg, "cachestore": ccfg, "executor": ecfg}[name].port
+            port = {"planner": pcfg, "cachestore": ccfg, "executor": ecfg, "http": hcfg}[name].port
             members.append(Member(name, p.pid, f"127.0.0.1:{port}"))
         _write(d, members)
         deadline = time.monotonic() + cfg.start_timeout_s
-        for m in members[-3:]:
-            while check_health(m.address) != "SERVING":
+        for m in members[-len(SERVICES):]:
+            while member_health(m) != "SERVING":
                 if not _alive(m.pid):
                     raise RuntimeError(f"{m.name} exited during start-up; log: {d / (m.name + '.log')}\n"
                                        + _tail(d / f"{m.name}.log"))
@@ -191,6 +194,21 @@ def status(cfg: ClusterConfig, model_cfg: ModelConfig) -> list[tuple[str, int, s
         elif m.name == "redis":
             health = "UP"
         else:
-            health = check_health(m.address)
+            health = member_health(m)
         rows.append((m.name, m.pid, m.address, health))
     return rows
+
+
+def member_health(m: Member) -> str:
+    """A member's health: grpc.health.v1 for the gRPC services, GET /health for the HTTP API."""
+    if m.name != "http":
+        return check_health(m.address)
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{m.address}/health", timeout=2) as r:
+            return "SERVING" if r.status == 200 else "NOT_SERVING"
+    except urllib.error.HTTPError:
+        return "NOT_SERVING"
+    except OSError:
+        return "DOWN"

@@ -238,6 +238,35 @@ class ClientConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """`kvplan serve http`: the OpenAI-compatible HTTP gateway over the executor's gRPC API
+    (Prometheus metrics on the same port, at /metrics)."""
+
+    host: str = _env("KVPLAN_HTTP_HOST", "127.0.0.1")
+    port: int = _env("KVPLAN_HTTP_PORT", 8000, "the HTTP API (8000, as vLLM's)")
+    executor_addr: str = _env("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:50052")
+    served_model_name: str = _env("KVPLAN_SERVED_MODEL_NAME", "",
+                                  "the model id /v1/models lists; empty: the model folder's name")
+    timeout_s: float = _env("KVPLAN_HTTP_TIMEOUT_S", 3600.0, "deadline of one request's job")
+    grace_s: float = _env("KVPLAN_GRACE_S", 5.0, "graceful-shutdown grace on SIGTERM")
+    log_level: str = _env("KVPLAN_LOG_LEVEL", "INFO", "DEBUG | INFO | WARNING | ERROR")
+
+    def __post_init__(self):
+        _check_port(self.port, "KVPLAN_HTTP_PORT")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"KVPLAN_HTTP_TIMEOUT_S must be > 0, got {self.timeout_s}")
+        if self.grace_s <= 0:
+            raise ConfigError(f"KVPLAN_GRACE_S must be > 0, got {self.grace_s}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"KVPLAN_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
+    def model_name(self, model_cfg: ModelConfig) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(model_cfg.model).name if model_cfg.model else "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """`kvplan up`: where the local cluster keeps its pid files and logs."""
 
@@ -275,5 +304,5 @@ class SecurityConfig:
         return self.auth == "on"
 
 
-ALL_CONFIGS = (ModelConfig, PlannerConfig, ExecutorConfig, CachestoreConfig, ClientConfig, ClusterConfig,
+ALL_CONFIGS = (ModelConfig, PlannerConfig, ExecutorConfig, CachestoreConfig, ClientConfig, HttpConfig, ClusterConfig,
                SecurityConfig)

@@ -143,17 +143,26 @@ def need_matplotlib():
     return plt
 
 
-def plot(plan: CompressionPlan, prompt_tokens: int, out: Path) -> None:
+def plot(plan: CompressionPlan, prompt_tokens: int, out: Path, asked: str = "") -> None:
+    """Bars of kept tokens per head per layer, coloured by kind; each bar of a plan that
+    quantizes says its layer's bits (`auto` mixes 16/8/4/2); the title gives the prompt's
+    length, the budget asked (`asked`, e.g. "ratio 0.2") and the predicted reserve ratio."""
     plt = need_matplotlib()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(plan.layers)), 3.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(plan.layers)), 3.8))
     kinds = [lp.kind for lp in plan.layers]
-    ax.bar([lp.layer for lp in plan.layers], [kept(lp, prompt_tokens) for lp in plan.layers],
-           color=[COLOURS.get(k, "#000000") for k in kinds])
-    for k in dict.fromkeys(kinds):
-        ax.bar([], [], color=COLOURS.get(k, "#000000"), label=k)
-    ax.set(xlabel="layer", ylabel="kept tokens per head",
-           title=f"{plan.strategy} v{plan.strategy_version}: predicted reserve {plan.predicted_reserve_ratio:.3f}")
-    ax.legend(fontsize="small")
+    heights = [kept(lp, prompt_tokens) for lp in plan.layers]
+    ax.bar([lp.layer for lp in plan.layers], heights, color=[COLOURS.get(k, "#000000") for k in kinds])
+    from matplotlib.patches import Patch
+    handles = [Patch(color=COLOURS.get(k, "#000000"), label=k) for k in dict.fromkeys(kinds)]
+    if any(lp.quant for lp in plan.layers):
+        for lp, h in zip(plan.layers, heights):
+            ax.text(lp.layer, h, f"{lp.quant.bits if lp.quant else 16}", ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(top=max(heights) * 1.12)
+    ax.set(xlabel="layer" + (" (bar labels: bits per stored value)" if any(lp.quant for lp in plan.layers) else ""),
+           ylabel="kept tokens per head",
+           title=f"{plan.strategy} v{plan.strategy_version}: {prompt_tokens} prompt tokens"
+                 + (f", asked {asked}" if asked else "") + f", predicted reserve {plan.predicted_reserve_ratio:.3f}")
+    ax.legend(handles=handles, fontsize="small", loc="lower left")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

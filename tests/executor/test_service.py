@@ -11,6 +11,11 @@ from kvplan.embedded import Embedded
 from planner import strategies
 from protos import executor_pb2 as pb
 
+CONTEXT = ("The Meridian Line is a night train that leaves Lisbon at 21:40 and reaches Madrid at 07:15. Its dining "
+           "car serves grilled sardines, and the conductor, Ines Rocha, has worked on the line for nineteen years. "
+           "The train has eleven sleeping cars and one observation car at the rear.")
+QUESTION = "Who is the conductor of the Meridian Line, and how long has she worked on it?"
+
 
 @pytest.fixture(scope="module")
 def cluster(model_cfg, real_model_dir):
@@ -46,8 +51,7 @@ def test_generate_answers_with_full_kv_and_real_bytes(client, real_model):
 
 
 def test_question_is_answered_from_the_context(client):
-    from kvplan.cli import DEMO_CONTEXT, DEMO_QUESTION
-    st = client.run(request(DEMO_CONTEXT, question=DEMO_QUESTION, max_new_tokens=48))
+    st = client.run(request(CONTEXT, question=QUESTION, max_new_tokens=48))
     assert "Ines Rocha" in st.result.text
 
 
@@ -121,9 +125,8 @@ def test_a_definition_set_through_the_planner_plans_the_next_job(cluster, client
     """SetStrategy with a new definition: the next job (naming no strategy) runs it, its cache
     really holds the evicted budget; a bad definition is refused naming the field and the
     defined strategy stays active."""
-    from kvplan.cli import DEMO_CONTEXT, DEMO_QUESTION
     mine = "name: snap-mine\neviction: {scorer: snapkv, pool_kernel: 5, span_tokens: 8}\n"
-    job = request(" ".join([DEMO_CONTEXT] * 3), question=DEMO_QUESTION, max_new_tokens=4, reserve_ratio=0.4)
+    job = request(" ".join([CONTEXT] * 3), question=QUESTION, max_new_tokens=4, reserve_ratio=0.4)
     with PlannerClient(cluster.planner_addr) as planner:
         try:
             info = planner.define_strategy(mine, activate=True)
@@ -150,8 +153,7 @@ def test_executor_falls_back_to_a_local_plan_when_the_planner_is_down(model_cfg,
 
 @pytest.mark.parametrize("name", sorted(strategies.STRATEGIES))
 def test_every_strategy_runs_a_real_job_through_grpc(client, name):
-    from kvplan.cli import DEMO_CONTEXT, DEMO_QUESTION
-    st = client.run(request(" ".join([DEMO_CONTEXT] * 3), question=DEMO_QUESTION, max_new_tokens=8,
+    st = client.run(request(" ".join([CONTEXT] * 3), question=QUESTION, max_new_tokens=8,
                             strategy=name, reserve_ratio=0.5))
     r = st.result
     assert r.strategy == name and not r.degraded and r.generated_tokens >= 1

@@ -1,0 +1,48 @@
+"""A job's text as a client shows it across attempts.
+
+A job survives the executor that held it: another executor re-claims it and runs it again from
+the start (`JobEvent.attempt` grows, and `WatchJob` replays every attempt's events). A client
+that already showed the first attempt's text must not show it twice. `AttemptText` keeps what
+was shown and, on a later attempt, holds the new text back until it passes that point, then
+shows only the rest. A greedy job (or one with a seed) replays the same text, so the reader
+sees one uninterrupted answer; one whose new text differs from what was shown raises
+`Diverged` — the shown text cannot be taken back (the SDK and the HTTP gateway pick a seed for
+sampled requests, so this needs a model or executor change between the attempts).
+"""
+from __future__ import annotations
+
+
+class Diverged(RuntimeError):
+    """A later attempt's text differs from the text already shown."""
+
+
+class AttemptText:
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.shown = ""          # what the reader has seen (across attempts)
+        self.text = ""           # the current attempt's text so far
+
+    def feed(self, attempt: int, delta: str) -> str:
+        """Add one delta of `attempt`; -> the part to show now (maybe empty)."""
+        if attempt > self.attempt:
+            self.attempt, self.text = attempt, ""
+        elif attempt < self.attempt:
+            return ""                                   # a stale event of an earlier attempt
+        self.text += delta
+        if len(self.text) <= len(self.shown):
+            if not self.shown.startswith(self.text):
+                raise Diverged(f"attempt {attempt} produced {self.text!r} where {self.shown[:len(self.text)]!r} "
+                               "was already shown")
+            return ""
+        if not self.text.startswith(self.shown):
+            raise Diverged(f"attempt {attempt} differs from the text already shown")
+        new, self.shown = self.text[len(self.shown):], self.text
+        return new
+
+    def finish(self, text: str) -> str:
+        """The job's final text (its result): -> what is left to show (a last character the
+        deltas held back). The result's text is the answer; the deltas only ever show its prefix."""
+        if not text.startswith(self.shown):
+            return ""
+        new, self.shown = text[len(self.shown):], text
+        return new

@@ -1,0 +1,244 @@
+"""The OpenAI wire format of the HTTP gateway: request bodies, their translation into a
+`kvplan.v1.GenerateRequest`, and the response, stream-chunk and error bodies.
+
+kvplan's own request fields ride next to OpenAI's (the openai client's `extra_body`):
+
+    kv_strategy   a planner strategy ("" / absent: the planner's default; with a budget and a
+                  `full` default, `auto`)
+    kv_ratio      KV reserve ratio in (0, 1]
+    kv_tokens     KV budget in tokens per KV head
+    kv_budget     the same budget as an object: {"reserve_ratio": r} or {"kv_tokens": n}
+    kv_question   appended after the compressed context (kvpress-style)
+
+and `usage` gains `kv_bytes`, `full_kv_bytes`, `reserve_ratio`, `degraded`, `budget_met`,
+`budget_floor_tokens` and `kv_strategy`. The executor applies the model's chat template to
+every request: a completion's `prompt` is one user message. Unset `temperature` is greedy
+(kvplan's default), and a sampled request without a `seed` gets one, so a job re-run on
+another executor replays the same text.
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from protos import common_pb2, executor_pb2
+
+KV_FIELDS = ("kv_strategy", "kv_ratio", "kv_tokens", "kv_budget", "kv_question")
+# executor field names (INVALID_ARGUMENT details) -> the request's own names
+PARAMS = {"max_new_tokens": "max_tokens", "budget.reserve_ratio": "kv_ratio", "budget.kv_tokens": "kv_tokens",
+          "strategy": "kv_strategy", "question": "kv_question", "prompt": "prompt"}
+FINISH = {"eos": "stop", "length": "length"}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+class _Body(BaseModel):
+    # OpenAI clients send fields kvplan does not use (user, metadata, ...): accepted, except
+    # misspelt kvplan fields (kv_*), which would otherwise be silently ignored.
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    kv_strategy: str = ""
+    kv_ratio: float | None = None
+    kv_tokens: int | None = None
+    kv_budget: dict[str, Any] | None = None
+    kv_question: str = ""
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class _Message(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[_Message]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+
+def _text(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad(f"messages[{i}].content[{j}]", "only text parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _unsupported(body: _Body) -> None:
+    for name in body.model_extra or {}:
+        if name.startswith("kv_"):
+            raise bad(name, f"unknown kvplan field (known: {', '.join(KV_FIELDS)})")
+    if body.n != 1:
+        raise bad("n", f"only 1 choice per request is supported, got {body.n}")
+    if body.stop:
+        raise bad("stop", "stop sequences are not supported")
+    if body.logprobs:
+        raise bad("logprobs", "logprobs are not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise bad(name, "penalties are not supported")
+    if getattr(body, "tools", None):
+        raise bad("tools", "tools are not supported")
+    if getattr(body, "echo", False):
+        raise bad("echo", "echo is not supported")
+    if getattr(body, "suffix", None):
+        raise bad("suffix", "suffix is not supported")
+
+
+def _budget(body: _Body) -> common_pb2.Budget:
+    given = [name for name in ("kv_ratio", "kv_tokens", "kv_budget") if getattr(body, name) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"give one of kv_ratio, kv_tokens, kv_budget, not {' and '.join(given)}")
+    ratio, tokens = body.kv_ratio, body.kv_tokens
+    if body.kv_budget is not None:
+        b = body.kv_budget
+        if len(b) != 1 or not set(b) <= {"reserve_ratio", "kv_tokens"}:
+            raise bad("kv_budget", 'must be {"reserve_ratio": r} or {"kv_tokens": n}')
+        ratio, tokens = b.get("reserve_ratio"), b.get("kv_tokens")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
+            raise bad("kv_budget.reserve_ratio", f"must be a number, got {ratio!r}")
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
+            raise bad("kv_budget.kv_tokens", f"must be an integer, got {tokens!r}")
+    param = "kv_budget" if body.kv_budget is not None else None
+    if ratio is not None:
+        if not 0.0 < ratio <= 1.0:
+            raise bad(f"{param}.reserve_ratio" if param else "kv_ratio", f"must be in (0, 1], got {ratio:g}")
+        return common_pb2.Budget(reserve_ratio=ratio)
+    if tokens is not None:
+        if tokens < 1:
+            raise bad(f"{param}.kv_tokens" if param else "kv_tokens", f"must be >= 1, got {tokens}")
+        return common_pb2.Budget(kv_tokens=tokens)
+    return common_pb2.Budget()
+
+
+def _request(body: _Body, max_tokens: int | None) -> executor_pb2.GenerateRequest:
+    _unsupported(body)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad("max_tokens", f"must be >= 1, got {max_tokens}")
+    if body.temperature is not None and not body.temperature >= 0:
+        raise bad("temperature", f"must be >= 0, got {body.temperature:g}")
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        raise bad("top_p", f"must be in (0, 1], got {body.top_p:g}")
+    if body.seed is not None and not 0 <= body.seed < 2 ** 64:
+        raise bad("seed", f"must be in [0, 2^64), got {body.seed}")
+    req = executor_pb2.GenerateRequest(question=body.kv_question, temperature=body.temperature or 0.0,
+                                       strategy=body.kv_strategy, budget=_budget(body))
+    if max_tokens is not None:
+        req.max_new_tokens = max_tokens
+    if body.top_p is not None:
+        req.top_p = body.top_p
+    if body.seed is not None:
+        req.seed = body.seed
+    elif req.temperature > 0:            # a re-attempt on another executor replays the same text
+        req.seed = random.getrandbits(63)
+    return req
+
+
+def chat_request(body: ChatBody) -> executor_pb2.GenerateRequest:
+    req = _request(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+    if not body.messages:
+        raise bad("messages", "must not be empty")
+    req.messages.extend(common_pb2.ChatMessage(role=m.role, content=_text(m.content, i))
+                        for i, m in enumerate(body.messages))
+    return req
+
+
+def completion_request(body: CompletionBody) -> executor_pb2.GenerateRequest:
+    req = _request(body, body.max_tokens)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
+        prompt = prompt[0]
+    req.prompt = prompt
+    return req
+
+
+def usage(r: executor_pb2.JobResult) -> dict[str, Any]:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.generated_tokens,
+            "total_tokens": r.prompt_tokens + r.generated_tokens,
+            "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes, "reserve_ratio": r.reserve_ratio,
+            "degraded": r.degraded, "budget_met": r.budget_met if r.HasField("budget_met") else None,
+            "budget_floor_tokens": r.budget_floor_tokens, "kv_strategy": r.strategy}
+
+
+class Shape:
+    """The response and chunk bodies of one request: `chat` (chat.completion) or `text`
+    (text_completion)."""
+
+    def __init__(self, kind: Literal["chat", "text"], job_id: str, model: str):
+        self.kind, self.model, self.created = kind, model, int(time.time())
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, r: executor_pb2.JobResult) -> dict[str, Any]:
+        finish = FINISH.get(r.finish_reason, "stop")
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": finish,
+                      "logprobs": None}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage(r)}
+        choice = {"index": 0, "text": r.text, "finish_reason": finish, "logprobs": None}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(r)}
+
+    def chunk(self, text: str = "", finish: str | None = None, first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {**self._head("chat.completion.chunk"),
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return {**self._head("text_completion"),
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+    def last(self, r: executor_pb2.JobResult) -> dict[str, Any]:
+        return self.chunk(finish=FINISH.get(r.finish_reason, "stop"))
+
+    def usage_chunk(self, r: executor_pb2.JobResult) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage(r)}

@@ -1,0 +1,186 @@
+"""The Python SDK: `kvplan.Client` over a running cluster's gRPC API.
+
+    import kvplan
+    with kvplan.Client("127.0.0.1:50052", api_key="...") as client:
+        r = client.generate(context, question="Who signed it?", strategy="auto", ratio=0.2)
+        print(r.text, r.reserve_ratio)
+        for text in client.stream("Tell me about KV caches", max_new_tokens=64):
+            print(text, end="", flush=True)
+
+A job survives the executor that held it; so does a call here: if the stream breaks while the
+job runs (the executor answering it went away), the client re-attaches to the job (`WatchJob`,
+which replays it) and goes on from where it was, and a re-run's text is never yielded twice
+(`kvplan.attempts`). A sampled request without a seed gets one, so a re-run replays the same
+text. Bad input raises `ValueError` naming the field; a job that fails raises `JobFailed`.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from kvplan.attempts import AttemptText
+from kvplan.client import request
+from kvplan.serving import channel_options
+from protos import executor_pb2 as pb
+from protos import executor_pb2_grpc
+
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+class JobFailed(RuntimeError):
+    """The job ended FAILED or CANCELLED; `status` is its last JobStatus."""
+
+    def __init__(self, status: pb.JobStatus):
+        super().__init__(f"job {status.job_id} ended {pb.JobState.Name(status.state)}"
+                         + (f": {status.error}" if status.error else ""))
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Result:
+    """One job's answer and what its cache held."""
+
+    text: str
+    job_id: str
+    strategy: str
+    prompt_tokens: int
+    generated_tokens: int
+    kv_bytes: int                    # bytes every tensor of the cache held
+    full_kv_bytes: int               # the uncompressed cache of the same tokens (storage dtype)
+    reserve_ratio: float             # kv_bytes / full_kv_bytes
+    degraded: bool                   # the planner or the cachestore was lost: a fallback ran
+    budget_met: bool | None          # the plan held the budget asked (None: not judged)
+    budget_floor_tokens: int         # fewest prompt tokens per KV head the plan kept in a layer
+    finish_reason: str               # "eos" | "length"
+    attempts: int                    # executors that ran it
+    prefill_s: float
+    decode_tokens_per_s: float
+    raw: pb.JobResult = field(repr=False, compare=False)
+
+    def warnings(self, ratio: float | None = None) -> list[str]:
+        """What a user must be told about this answer: a fallback ran (degraded), or the cache
+        did not hold the budget asked (`ratio`: the reserve ratio asked, if any)."""
+        out = []
+        if self.degraded:
+            out.append(f"job {self.job_id} ran DEGRADED ({self.strategy} plan: the planner or the cachestore was "
+                       "lost, so it fell back; see the executor's log)")
+        if self.budget_met is False:
+            asked = f"reserve ratio {ratio:g}" if ratio is not None else "its KV budget"
+            out.append(f"job {self.job_id} could not hold {asked}: {self.strategy} keeps at least "
+                       f"{self.budget_floor_tokens} of the {self.prompt_tokens} prompt tokens per KV head "
+                       f"(window, sinks, or no compression), and the rows the job adds come on top; "
+                       f"it held {self.reserve_ratio:.3f}")
+        elif ratio is not None and self.reserve_ratio > ratio + 1e-3:
+            out.append(f"job {self.job_id} held reserve ratio {self.reserve_ratio:.3f}, above the {ratio:g} asked")
+        return out
+
+    @classmethod
+    def of(cls, job_id: str, attempts: int, r: pb.JobResult) -> "Result":
+        return cls(r.text, job_id, r.strategy, r.prompt_tokens, r.generated_tokens, r.kv_bytes, r.full_kv_bytes,
+                   r.reserve_ratio, r.degraded, r.budget_met if r.HasField("budget_met") else None,
+                   r.budget_floor_tokens, r.finish_reason, attempts, r.prefill_s, r.decode_tokens_per_s, r)
+
+
+class Streaming:
+    """`Client.stream(...)`: iterate for the text as it is generated; `.result` once it ends."""
+
+    def __init__(self, client: "Client", req: pb.GenerateRequest):
+        self._client, self._req = client, req
+        self.result: Result | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        text = AttemptText()
+        job_id = ""
+        for ev in self._client._events(self._req):
+            job_id = ev.job_id
+            kind = ev.WhichOneof("kind")
+            if kind == "delta":
+                new = text.feed(ev.attempt, ev.delta.text)
+                if new:
+                    yield new
+            elif kind == "result":
+                rest = text.finish(ev.result.text)
+                if rest:
+                    yield rest
+                self.result = Result.of(job_id, ev.attempt, ev.result)
+
+
+class Client:
+    def __init__(self, address: str | None = None, api_key: str | None = None, timeout_s: float = 3600.0,
+                 reattach: int = 5):
+        """address: an executor's HOST:PORT (default KVPLAN_EXECUTOR_ADDR, or 127.0.0.1:50052);
+        api_key: sent as `authorization: Bearer <key>`; reattach: how many times a broken stream
+        re-attaches to its job (with backoff) before the error is raised."""
+        from kvplan.config import ClientConfig, from_env
+        self.address = address or from_env(ClientConfig).executor_addr
+        self.timeout_s, self.reattach = timeout_s, reattach
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channel = grpc.insecure_channel(self.address, options=channel_options())
+        self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+
+    def generate(self, prompt: str = "", **kw) -> Result:
+        """Run one job and return its Result. Keywords: messages, question, strategy, ratio,
+        kv_tokens, max_new_tokens, temperature, top_p, seed."""
+        s = self.stream(prompt, **kw)
+        for _ in s:
+            pass
+        return s.result
+
+    def stream(self, prompt: str = "", *, messages: list[dict[str, str]] | None = None, question: str = "",
+               strategy: str = "", ratio: float | None = None, kv_tokens: int | None = None,
+               max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
+               seed: int | None = None) -> Streaming:
+        """The job's text as it is generated (iterate), then `.result`. A budget (`ratio` or
+        `kv_tokens`) without a strategy is planned by the planner's default, or `auto` when that
+        is `full`."""
+        if seed is None and temperature > 0:
+            seed = random.getrandbits(63)
+        return Streaming(self, request(prompt, messages=messages, question=question, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_p=top_p, seed=seed, strategy=strategy,
+                                       reserve_ratio=ratio, kv_tokens=kv_tokens))
+
+    def _events(self, req: pb.GenerateRequest) -> Iterator[pb.JobEvent]:
+        """The job's events until its result; re-attaches to the job when the stream breaks."""
+        job_id, tries = "", 0
+        call = self._stub.Generate(req, timeout=self.timeout_s, metadata=self._metadata)
+        while True:
+            try:
+                for ev in call:
+                    job_id, tries = ev.job_id, 0
+                    yield ev
+                    kind = ev.WhichOneof("kind")
+                    if kind == "result":
+                        return
+                    if kind == "status" and ev.status.state == pb.DONE and ev.status.HasField("result"):
+                        yield pb.JobEvent(job_id=job_id, attempt=ev.attempt, result=ev.status.result)
+                        return                  # (its event log expired: the status carries the result)
+                    if kind == "status" and ev.status.state in (pb.FAILED, pb.CANCELLED):
+                        raise JobFailed(ev.status)
+                raise ConnectionError(f"job {job_id}: the stream ended without a result")
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(e.details()) from None
+                if not job_id or e.code() not in RETRY_CODES or tries >= self.reattach:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE and not job_id:
+                        raise ConnectionError(f"no executor answers at {self.address} ({e.details()}); "
+                                              "`kvplan up` starts a local cluster") from None
+                    raise
+                tries += 1
+                time.sleep(min(10.0, 0.5 * 2 ** tries))
+                call = self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=self.timeout_s, metadata=self._metadata)
+
+    def cancel(self, job_id: str) -> None:
+        self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30, metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP API, tested with the official `openai` client and `curl -N`.
+
+Over the real model (the embedded services): a streamed chat completion under `auto` at 0.2
+reads usage.kv_bytes < usage.full_kv_bytes; a completion, the model list, SSE lines through
+curl, a client that goes away cancelling its job. Over a scripted executor (no model): bad
+input in OpenAI's error shape before any job exists, executor errors mapped to HTTP statuses,
+the Authorization header forwarded as gRPC metadata, a re-run's text not streamed twice."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from kvplan.client import ExecutorClient
+from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
+from protos import executor_pb2 as pb
+from tests.kvplan.conftest import http_gateway
+from tests.kvplan.fake_executor import FakeExecutor, events, result
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def real_api(embedded):
+    with http_gateway(embedded.executor_addr, MODEL) as url:
+        yield url
+
+
+@pytest.fixture
+def fake():
+    with FakeExecutor() as fx, http_gateway(fx.address, MODEL) as url:
+        fx.url = url
+        yield fx
+
+
+def _openai(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
+
+
+# ---- the real model ------------------------------------------------------------------------
+
+def test_openai_client_streams_a_chat_completion_under_auto_at_0_2(real_api):
+    stream = _openai(real_api).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": DEMO_CONTEXT}], max_tokens=24, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kv_strategy": "auto", "kv_ratio": 0.2, "kv_question": DEMO_QUESTION})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    print(f"streamed {len(chunks)} chunks: {text!r}; usage {usage}")
+    assert chunks[0].choices[0].delta.role == "assistant" and text.strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert usage.kv_strategy == "auto" and not usage.degraded and usage.budget_met is not False
+    assert 0 < usage.kv_bytes < usage.full_kv_bytes and usage.reserve_ratio <= 0.2
+    assert usage.completion_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_openai_client_completion_and_models(real_api):
+    client = _openai(real_api)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    got = client.completions.create(model=MODEL, prompt="What is the capital of France?", max_tokens=12)
+    assert "Paris" in got.choices[0].text and got.id.startswith("cmpl-")
+    assert got.usage.kv_strategy == "full" and got.usage.kv_bytes >= got.usage.full_kv_bytes > 0
+
+
+def test_curl_shows_server_sent_events(real_api):
+    if shutil.which("curl") is None:
+        pytest.fail("curl is not installed (apt-get install -y curl)")
+    body = {"model": MODEL, "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    out = subprocess.run(["curl", "-N", "-sS", "--max-time", "300", f"{real_api}/v1/chat/completions",
+                          "-H", "Content-Type: application/json", "-d", json.dumps(body)],
+                         capture_output=True, text=True, timeout=320)
+    lines = [line for line in out.stdout.splitlines() if line]
+    print("\n".join(lines[:3] + ["..."] + lines[-2:]))
+    assert out.returncode == 0 and lines and all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "Paris" in "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+
+def test_a_client_that_goes_away_cancels_its_job(real_api, embedded):
+    body = {"model": MODEL, "stream": True, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon who learns to sing."}]}
+    with httpx.Client(timeout=300) as http:
+        with http.stream("POST", f"{real_api}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"][0]["delta"].get("content"):
+                        break                              # generating: now leave
+    job_id = chunk["id"].removeprefix("chatcmpl-")
+    with ExecutorClient(embedded.executor_addr, 60) as c:
+        deadline = time.monotonic() + 120
+        while c.get(job_id).state not in (pb.CANCELLED, pb.DONE) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status = c.get(job_id)
+    assert status.state == pb.CANCELLED and status.generated_tokens < 400
+
+
+# ---- a scripted executor -------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"kv_ratio": 1.5}, "kv_ratio", "kv_ratio: must be in (0, 1], got 1.5"),
+    ({"kv_ratio": 0}, "kv_ratio", "kv_ratio: must be in (0, 1], got 0"),
+    ({"kv_tokens": 0}, "kv_tokens", "kv_tokens: must be >= 1"),
+    ({"kv_budget": {"reserve_ratio": 2}}, "kv_budget.reserve_ratio", "must be in (0, 1]"),
+    ({"kv_budget": {"adaptive": True}}, "kv_budget", 'must be {"reserve_ratio": r} or {"kv_tokens": n}'),
+    ({"kv_ratio": 0.2, "kv_tokens": 9}, "kv_tokens", "give one of kv_ratio, kv_tokens, kv_budget"),
+    ({"kv_ration": 0.2}, "kv_ration", "unknown kvplan field"),
+    ({"kv_ratio": "lots"}, "kv_ratio", "kv_ratio:"),
+    ({"n": 2}, "n", "only 1 choice"),
+    ({"stop": ["\n"]}, "stop", "not supported"),
+    ({"temperature": -1}, "temperature", "must be >= 0"),
+])
+def test_bad_input_is_400_in_openais_error_shape_before_any_job(fake, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        _openai(fake.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  extra_body=extra)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+    assert words in e.value.body["message"]
+    assert fake.script.calls == []                            # no job was submitted
+    raw = httpx.post(f"{fake.url}/v1/chat/completions",
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra})
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_404_and_a_malformed_body_400(fake):
+    with pytest.raises(openai.NotFoundError) as e:
+        _openai(fake.url).completions.create(model="gpt-4", prompt="hi")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    raw = httpx.post(f"{fake.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("code, details, status, param", [
+    (grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role: must be one of system, user, assistant", 400,
+     "messages[0].role"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "budget.reserve_ratio: must be in (0, 1], got 2", 400, "kv_ratio"),
+    (grpc.StatusCode.UNAUTHENTICATED, "no API key", 401, None),
+    (grpc.StatusCode.PERMISSION_DENIED, "admin only", 403, None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 429, None),
+    (grpc.StatusCode.UNAVAILABLE, "executor is warming up", 503, None),
+])
+def test_executor_errors_become_http_statuses(fake, code, details, status, param):
+    fake.script.reject = (code, details)
+    raw = httpx.post(f"{fake.url}/v1/chat/completions",
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    err = raw.json()["error"]
+    assert raw.status_code == status and err["param"] == param and err["code"] == code.name.lower()
+    assert err["message"].endswith(details.partition(": ")[2] if param else details) or "kvplan up" in err["message"]
+
+
+def test_the_authorization_header_travels_as_grpc_metadata(fake):
+    fake.script.events = events((1, ["Hi"]), result=result("Hi"))
+    got = _openai(fake.url, key="sk-tenant-a").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert got.choices[0].message.content == "Hi" and got.usage.kv_bytes == 200
+    assert fake.script.metadata[0]["authorization"] == "Bearer sk-tenant-a"
+    req = fake.script.requests[0]
+    assert req.messages[0].content == "hi" and req.temperature == 0 and not req.HasField("seed")
+
+
+def test_a_rerun_is_not_streamed_twice_and_a_sampled_request_gets_a_seed(fake):
+    """The executor holding the job died after "The cap"; another re-ran it from the start."""
+    fake.script.events = events((1, ["The", " cap"]), (2, ["The", " cap", "ital", " is Paris."]),
+                                result=result("The capital is Paris."))
+    stream = _openai(fake.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       stream=True, temperature=0.7)
+    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == "The capital is Paris."
+    assert fake.script.requests[0].HasField("seed")           # a re-run replays the same sampled text
+
+
+def test_a_failed_job_mid_stream_is_an_error_event(fake):
+    fake.script.events = events((1, ["Hel"])) + [pb.JobEvent(job_id="job0", attempt=1, status=pb.JobStatus(
+        job_id="job0", state=pb.FAILED, error="RuntimeError: boom"))]
+    with pytest.raises(openai.APIError) as e:
+        list(_openai(fake.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       stream=True))
+    assert "boom" in str(e.value)
+
+
+def test_metrics_count_requests(fake):
+    fake.script.events = events((1, ["ok"]), result=result("ok"))
+    httpx.post(f"{fake.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    text = httpx.get(f"{fake.url}/metrics/").text
+    assert 'kvplan_http_requests_total{route="/v1/completions",status="200"}' in text
+    assert "kvplan_http_request_seconds_bucket" in text
