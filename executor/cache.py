@@ -62,6 +62,15 @@ class PlannedCache(Cache):
         """The longest observation window of any layer: the context's last chunk must hold it."""
         return max((lp.eviction.window for lp in self.plan.layers if lp.eviction), default=0)
 
+    def kv_bytes(self) -> int:
+        """Bytes every tensor of every layer holds now."""
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors())
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes the cache holds at any step while `adds` (row counts: the question's chunks,
+        then a row per decode step) join it: each layer's own bound (`kvcore.cost`), summed."""
+        return sum(layer.bytes_bound(adds) for layer in self.layers)
+
     def layer_bytes(self) -> list[LayerBytes]:
         """Per layer: bytes of the tensors it holds, against K+V of every token seen in fp16 (batch 1)."""
         return [

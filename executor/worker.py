@@ -1,37 +1,37 @@
-"""The job worker: claim a job from the queue, plan it, run it, publish its events and result.
+"""The job worker: intake for the engine. Claims jobs while the engine has room, plans each one,
+hands it to the engine as a sequence, and publishes its events and result; one loop steps the
+engine, which runs every admitted job at once.
 
-    claim -> RUNNING -> Plan() (or local fallback) -> prefill + decode in a thread
-          -> result event -> DONE -> ack
+    claim -> RUNNING -> validate, tokenize -> Plan() (or the local fallback) -> engine.add
+    engine loop: step() in a thread while there is work; a finished sequence -> result -> DONE -> ack
 
-A heartbeat keeps the claim alive and carries cancellation in; if another executor took the
-job over (this one was presumed dead), the run stops and writes nothing.
-"""
+A heartbeat per job keeps its claim alive and carries cancellation in; if another executor took
+the job over (this one was presumed dead) or this one is shutting down, the job stops and
+writes nothing, its queue entry left un-acked for a live executor to re-claim."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Histogram
-
-from cachestore.handle import JobHandle, StoreUnavailable, Unavailable
+from cachestore.handle import StoreUnavailable, Unavailable
 from executor import prompt as prompts
 from executor import validation
+from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
+from executor.engine.result import run_result
 from executor.jobqueue import Claim, JobBackend
-from executor.planner_client import PlannerClient
-from executor.runner import Cancelled, Runner, RunResult, Sampling
+from executor.metrics import JOBS, observe_finished, observe_usage
+from executor.planner_client import PlanOutcome, PlannerClient
+from executor.report import job_result
 from kvplan.config import ExecutorConfig
 from planner.request import InvalidRequest
 from protos import executor_pb2 as pb
 
 log = logging.getLogger("kvplan.executor.worker")
-JOBS = Counter("kvplan_executor_jobs_total", "jobs ended, by state", ["state"])
-TOKENS = Counter("kvplan_executor_generated_tokens_total", "tokens generated")
-PREFILL_S = Histogram("kvplan_executor_prefill_seconds", "prefill time per job")
-DECODE_TPS = Histogram("kvplan_executor_decode_tokens_per_second", "decode speed per job",
-                       buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500))
 
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
+MAX_PLANNING = 2          # jobs claimed and being planned, or admitted-but-waiting, at once
 
 
 class LostClaim(Exception):
@@ -39,205 +39,254 @@ class LostClaim(Exception):
     leave the queue entry un-acked so that a live executor re-claims it."""
 
 
+@dataclass
+class Job:
+    """One claimed job while this executor has it."""
+    claim: Claim
+    status: pb.JobStatus
+    outcome: PlanOutcome | None = None
+    seq: Sequence | None = None
+    stop: threading.Event = field(default_factory=threading.Event)    # read by the engine thread
+    lost: bool = False
+    tokens: int = 0
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tasks: list = field(default_factory=list)
+
+
 class Worker:
-    def __init__(self, cfg: ExecutorConfig, backend: JobBackend, runner: Runner, planner: PlannerClient,
+    def __init__(self, cfg: ExecutorConfig, backend: JobBackend, engine: LLMEngine, planner: PlannerClient,
                  executor_id: str, cachestore=None):
         """cachestore: opens a job's `JobHandle` (`cachestore.client.CachestoreClient`); None: offload
         plans keep their rows in this process."""
-        self.cfg, self.backend, self.runner, self.planner = cfg, backend, runner, planner
-        self.cachestore = cachestore
-        self.executor_id = executor_id
+        self.cfg, self.backend, self.engine, self.planner = cfg, backend, engine, planner
+        self.lm = engine.lm
+        self.cachestore, self.executor_id = cachestore, executor_id
+        self.jobs: dict[str, Job] = {}
         self._stopping = asyncio.Event()
-        self._abandon = threading.Event()     # set at shutdown: stop the running job, keep it queued
+        self._work = asyncio.Event()             # set when the engine has something new
 
+    # -- the loops ------------------------------------------------------------------------------
     async def run_forever(self) -> None:
+        """Claim and run jobs until `stop()`; then until the running jobs ended (or were abandoned)."""
+        steps = asyncio.create_task(self._engine_loop())
+        try:
+            await self._intake()
+            while self.jobs:
+                await asyncio.sleep(0.05)
+        finally:
+            steps.cancel()
+
+    async def _intake(self) -> None:
         while not self._stopping.is_set():
             try:
+                if not self._room():
+                    await asyncio.sleep(0.05)
+                    continue
                 claim = await self.backend.claim(self.executor_id, block_ms=500)
                 if claim is not None:
-                    await self.process(claim)
+                    asyncio.create_task(self._start(claim))
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("worker loop error; retrying")
+                log.exception("intake error; retrying")
                 await asyncio.sleep(1.0)
 
+    def _room(self) -> bool:
+        """Whether to claim another job: the engine runs fewer than it may, and few claimed jobs
+        wait for bytes or a plan (the rest stay in the queue for other executors)."""
+        waiting = sum(1 for j in self.jobs.values() if j.seq is None or j.seq.t_admitted is None)
+        return len(self.jobs) < self.cfg.max_seqs and waiting < MAX_PLANNING
+
+    async def _engine_loop(self) -> None:
+        while True:
+            if not self.engine.has_work():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            try:
+                finished = await asyncio.to_thread(self.engine.step)
+            except Exception:
+                log.exception("engine step failed; failing its jobs")
+                finished = self._fail_running()
+            observe_usage(self.engine)
+            for seq in finished:
+                job = self.jobs.get(seq.job_id)
+                if job is not None:
+                    asyncio.create_task(self._complete(job))
+
     def stop(self) -> None:
-        """Claim nothing new; the running job may finish."""
+        """Claim nothing new; the running jobs may finish."""
         self._stopping.set()
 
     def abandon(self) -> None:
-        """Stop the running job now without ending it (another executor re-claims it)."""
-        self._abandon.set()
+        """Stop every running job now without ending it (another executor re-claims it)."""
+        for job in self.jobs.values():
+            job.lost = True
+            job.stop.set()
 
-    async def process(self, claim: Claim) -> None:
+    # -- one job --------------------------------------------------------------------------------
+    async def _start(self, claim: Claim) -> None:
         job_id = claim.job_id
         raw_status, raw_req = await self.backend.status(job_id), await self.backend.request(job_id)
         if raw_status is None or raw_req is None:
             await self.backend.finish(claim, self.cfg.job_ttl_s)      # expired record: drop the entry
             return
         status = pb.JobStatus.FromString(raw_status)
+        job = Job(claim, status)
         if status.state in TERMINAL:
             await self.backend.finish(claim, self.cfg.job_ttl_s)
             return
         status.attempts = claim.attempt
         if await self.backend.is_cancelled(job_id):
-            return await self._end(claim, status, pb.CANCELLED)
+            return await self._end(job, pb.CANCELLED)
         if claim.attempt > self.cfg.max_attempts:
             status.error = f"gave up after {self.cfg.max_attempts} attempts (executors lost mid-job)"
-            return await self._end(claim, status, pb.FAILED)
-
+            return await self._end(job, pb.FAILED)
+        self.jobs[job_id] = job
         status.state, status.executor_id, status.generated_tokens = pb.RUNNING, self.executor_id, 0
-        await self._publish_status(claim, status)
+        await self._publish_status(job)
         log.info("job %s: running (attempt %d)", job_id, claim.attempt)
+        job.tasks = [asyncio.create_task(self._pump(job)), asyncio.create_task(self._heartbeat(job))]
         try:
-            result = await self._run(claim, pb.GenerateRequest.FromString(raw_req), status)
-        except LostClaim:
-            log.warning("job %s: dropping this run (%s)", job_id,
-                        "executor shutting down" if self._abandon.is_set() else "taken over by another executor")
-            return
-        except Cancelled:
-            return await self._end(claim, status, pb.CANCELLED)
-        except InvalidRequest as e:
-            status.error = str(e)
-            return await self._end(claim, status, pb.FAILED)
+            job.seq = await self._sequence(job, pb.GenerateRequest.FromString(raw_req))
+        except (InvalidRequest, OverBudget) as e:
+            job.status.error = str(e)
+            return await self._close(job, pb.FAILED)
         except Exception as e:
-            log.exception("job %s failed", job_id)
-            status.error = f"{type(e).__name__}: {e}"
-            return await self._end(claim, status, pb.FAILED)
-        status.result.CopyFrom(result)
-        status.generated_tokens = result.generated_tokens
-        await self.backend.append_event(job_id, pb.JobEvent(job_id=job_id, attempt=claim.attempt,
-                                                            result=result).SerializeToString())
-        await self._end(claim, status, pb.DONE, publish=False)
-        TOKENS.inc(result.generated_tokens)
-        PREFILL_S.observe(result.prefill_s)
-        DECODE_TPS.observe(result.decode_tokens_per_s)
+            log.exception("job %s failed before it ran", job_id)
+            job.status.error = f"{type(e).__name__}: {e}"
+            return await self._close(job, pb.FAILED)
+        self.engine.add(job.seq)
+        self._work.set()
 
-    async def _run(self, claim: Claim, req: pb.GenerateRequest, status: pb.JobStatus) -> pb.JobResult:
-        lm = self.runner.lm
-        checked = validation.check(req, self.cfg.default_max_new_tokens)
-        prompt = prompts.build(lm.tokenizer, checked.messages, req.question)
+    async def _sequence(self, job: Job, req: pb.GenerateRequest) -> Sequence:
+        lm, job_id = self.lm, job.claim.job_id
+        checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
+        prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
-        outcome = await self.planner.plan(claim.job_id, req.tenant, req.strategy, req.budget, req.profile,
-                                          len(prompt.context_ids), lm, prompt.context_ids,
-                                          len(prompt.question_ids), checked.max_new_tokens)
+        job.outcome = await self.planner.plan(job_id, req.tenant, req.strategy, req.budget, req.profile,
+                                              len(prompt.context_ids), lm, prompt.context_ids,
+                                              len(prompt.question_ids), checked.max_new_tokens)
+        plan = job.outcome.plan
         sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed)
-
+        store = await self._open_store(job, req, plan, prompt.num_tokens + checked.max_new_tokens)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        stop_flag = threading.Event()
-        counted = {"tokens": 0}
 
-        def emit(kind: str, payload) -> None:                 # called from the model thread
-            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        def emit(kind: str, payload) -> None:                 # called from the engine thread
+            loop.call_soon_threadsafe(job.events.put_nowait, (kind, payload))
 
-        async def pump() -> None:                              # keeps events in order
-            while True:
-                kind, payload = await events.get()
-                if kind == "progress":
-                    ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
-                else:
-                    counted["tokens"] += len(payload[1])
-                    ev = pb.JobEvent(delta=pb.TokenDelta(text=payload[0], token_ids=payload[1]))
-                ev.job_id, ev.attempt = claim.job_id, claim.attempt
-                await self.backend.append_event(claim.job_id, ev.SerializeToString())
-                events.task_done()
-
-        lost = {"flag": False}
-
-        async def heartbeat() -> None:
-            while True:
-                await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
-                if self._abandon.is_set() or not await self.backend.heartbeat(claim, self.executor_id):
-                    lost["flag"] = True
-                    stop_flag.set()
-                    return
-                if await self.backend.is_cancelled(claim.job_id):
-                    stop_flag.set()
-                status.generated_tokens = counted["tokens"]
-                await self.backend.set_status(claim.job_id, status.SerializeToString())
-
-        budget = _budget_ratio(req.budget, prompt.num_tokens)
-        store = await self._open_store(claim, req, outcome.plan, prompt.num_tokens + checked.max_new_tokens)
-        tasks = [asyncio.create_task(pump()), asyncio.create_task(heartbeat())]
-        run: RunResult | None = None
         try:
-            run = await asyncio.to_thread(self.runner.run, prompt, outcome.plan, sampling, emit, stop_flag.is_set,
-                                          store=store, budget=budget)
-            await events.join()
-        except Cancelled:
-            pass
-        finally:
-            for t in tasks:
-                t.cancel()
-            if store is not None:             # finished, failed or cancelled: the store drops the rows
+            return self.engine.sequence(prompt, plan, sampling, emit=emit, cancelled=job.stop.is_set, store=store,
+                                        ratio=_budget_ratio(req.budget, prompt.num_tokens), job_id=job_id)
+        except Exception:
+            if store is not None:
                 await asyncio.to_thread(store.release)
-        if lost["flag"]:
-            raise LostClaim()
-        if run is None or run.finish_reason == "cancelled":
-            raise Cancelled()
-        return _result(run, outcome, self.executor_id, self.runner)
+            raise
 
-    async def _open_store(self, claim: Claim, req: pb.GenerateRequest, plan, max_tokens: int) -> JobHandle | None:
+    async def _pump(self, job: Job) -> None:
+        """The job's events, in order, into its event log."""
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "progress":
+                ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
+            else:
+                job.tokens += len(payload[1])
+                ev = pb.JobEvent(delta=pb.TokenDelta(text=payload[0], token_ids=payload[1]))
+            ev.job_id, ev.attempt = job.claim.job_id, job.claim.attempt
+            await self.backend.append_event(job.claim.job_id, ev.SerializeToString())
+            job.events.task_done()
+
+    async def _heartbeat(self, job: Job) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            try:
+                if job.lost or not await self.backend.heartbeat(job.claim, self.executor_id):
+                    job.lost = True
+                    job.stop.set()
+                    self._work.set()
+                    return
+                if await self.backend.is_cancelled(job.claim.job_id):
+                    job.stop.set()
+                job.status.generated_tokens = job.tokens
+                await self.backend.set_status(job.claim.job_id, job.status.SerializeToString())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job %s: heartbeat failed; retrying", job.claim.job_id)
+
+    async def _complete(self, job: Job) -> None:
+        """The engine ended the job's sequence: its result, or its cancellation, or nothing (lost)."""
+        seq = job.seq
+        await job.events.join()
+        if job.lost:
+            log.warning("job %s: dropping this run (%s)", job.claim.job_id,
+                        "executor shutting down" if self._stopping.is_set() else "taken over by another executor")
+            return await self._close(job, None)
+        if seq.finish_reason == "cancelled":
+            return await self._close(job, pb.CANCELLED)
+        if seq.finish_reason == "failed":
+            job.status.error = job.status.error or "the engine step running it failed"
+            return await self._close(job, pb.FAILED)
+        run = run_result(seq)
+        result = job_result(run, seq, job.outcome, self.executor_id, self.engine.storage_dtype,
+                            job.status.submitted_at)
+        job.status.result.CopyFrom(result)
+        job.status.generated_tokens = result.generated_tokens
+        await self.backend.append_event(job.claim.job_id, pb.JobEvent(job_id=job.claim.job_id, attempt=job.claim.attempt,
+                                                                      result=result).SerializeToString())
+        observe_finished(run, result)
+        await self._close(job, pb.DONE, publish=False)
+
+    def _fail_running(self) -> list[Sequence]:
+        """After a failed step: every admitted sequence ends failed (their caches are suspect)."""
+        for seq in list(self.engine.scheduler.running):
+            self.engine.scheduler.abort(seq, "failed")
+        return self.engine.scheduler.postprocess([], [])
+
+    async def _close(self, job: Job, state: int | None, publish: bool = True) -> None:
+        """End the job here: its tasks stop, its store is released, its state written (None: lost, nothing)."""
+        for t in job.tasks:
+            t.cancel()
+        self.jobs.pop(job.claim.job_id, None)
+        seq = job.seq
+        if seq is not None and seq.store is not None and not seq.own_store:
+            await asyncio.to_thread(seq.store.release)    # finished, failed or cancelled: the store drops the rows
+        if state is not None:
+            await self._end(job, state, publish)
+
+    async def _open_store(self, job: Job, req: pb.GenerateRequest, plan, max_tokens: int):
         """The job's cachestore handle when its plan offloads; an unreachable cachestore gives a
         failed handle (the job runs on its low-bit copy, degraded) — never a failed job."""
         if not plan.offload.enabled or self.cachestore is None:
             return None
-        lm = self.runner.lm
+        lm = self.lm
         try:
             return await asyncio.to_thread(
-                self.cachestore.open, req.tenant or "default", claim.job_id, lm.num_layers, lm.num_kv_heads,
-                lm.head_dim, self.runner.storage_dtype, max_tokens, plan.offload.candidates)
+                self.cachestore.open, job.claim.tenant or req.tenant or "default", job.claim.job_id, lm.num_layers,
+                lm.num_kv_heads, lm.head_dim, self.engine.storage_dtype, max_tokens, plan.offload.candidates)
         except StoreUnavailable as e:
-            log.warning("job %s: cachestore unavailable (%s); running on the low-bit copy, degraded", claim.job_id, e)
+            log.warning("job %s: cachestore unavailable (%s); running on the low-bit copy, degraded", job.claim.job_id, e)
             return Unavailable(str(e))
 
-    async def _publish_status(self, claim: Claim, status: pb.JobStatus) -> None:
-        await self.backend.set_status(claim.job_id, status.SerializeToString())
-        await self.backend.append_event(claim.job_id, pb.JobEvent(
-            job_id=claim.job_id, attempt=claim.attempt, status=status).SerializeToString())
+    async def _publish_status(self, job: Job) -> None:
+        await self.backend.set_status(job.claim.job_id, job.status.SerializeToString())
+        await self.backend.append_event(job.claim.job_id, pb.JobEvent(
+            job_id=job.claim.job_id, attempt=job.claim.attempt, status=job.status).SerializeToString())
 
-    async def _end(self, claim: Claim, status: pb.JobStatus, state: int, publish: bool = True) -> None:
+    async def _end(self, job: Job, state: int, publish: bool = True) -> None:
+        status = job.status
         status.state = state
         if publish:
-            await self._publish_status(claim, status)
+            await self._publish_status(job)
         else:
-            await self.backend.set_status(claim.job_id, status.SerializeToString())
-        await self.backend.finish(claim, self.cfg.job_ttl_s)
-        JOBS.labels(pb.JobState.Name(state)).inc()
-        log.info("job %s: %s%s", claim.job_id, pb.JobState.Name(state), f" ({status.error})" if status.error else "")
+            await self.backend.set_status(job.claim.job_id, status.SerializeToString())
+        await self.backend.finish(job.claim, self.cfg.job_ttl_s)
+        strategy = status.result.strategy or (job.outcome.plan.strategy if job.outcome else "")
+        JOBS.labels(pb.JobState.Name(state), strategy, str(status.result.degraded).lower()).inc()
+        log.info("job %s: %s%s", job.claim.job_id, pb.JobState.Name(state), f" ({status.error})" if status.error else "")
 
 
-def _result(run: RunResult, outcome, executor_id: str, runner: Runner) -> pb.JobResult:
-    kv, full = run.kv_bytes, run.full_kv_bytes
-    return pb.JobResult(
-        text=run.text, strategy=outcome.plan.strategy, plan_id=outcome.plan.plan_id,
-        prompt_tokens=run.prompt_tokens, generated_tokens=len(run.token_ids),
-        kv_bytes=kv, full_kv_bytes=full, reserve_ratio=kv / full if full else 0.0,
-        prefill_s=run.prefill_s, decode_s=run.decode_s,
-        prefill_tokens_per_s=run.prompt_tokens / run.prefill_s if run.prefill_s else 0.0,
-        decode_tokens_per_s=run.decode_steps / run.decode_s if run.decode_s else 0.0,
-        degraded=outcome.degraded or run.degraded, finish_reason=run.finish_reason, executor_id=executor_id,
-        storage_dtype=str(runner.storage_dtype).removeprefix("torch."),
-        per_layer=[pb.LayerStats(layer=x.layer, kept_tokens=x.kept_tokens, kv_bytes=x.kv_bytes,
-                                 full_kv_bytes=x.full_kv_bytes, kind=x.kind) for x in run.layers],
-        offload=_offload_stats(run.offload),
-    )
-
-
-def _offload_stats(report: dict | None) -> pb.OffloadStats | None:
-    if report is None:
-        return None
-    part, st = report["part"], report["stats"]
-    return pb.OffloadStats(
-        transport=report["transport"], low_bits=part["low_bits"], group_size=part["group_size"], top_k=part["top_k"],
-        recent_window=part["recent_window"], host_kv_bytes=st["bytes_put"], prefetches=st["prefetches"],
-        in_time=st["in_time"], late=st["late"], bytes_fetched=st["bytes_fetched"], stall_s=st["stall_s"],
-        error=report["error"], rerank=part["rerank"])
-
-
-def _budget_ratio(budget: pb.Budget, prompt_tokens: int) -> float | None:
+def _budget_ratio(budget, prompt_tokens: int) -> float | None:
     """The job's budget as a reserve ratio (what an offload part is fitted to); None: unset."""
     kind = budget.WhichOneof("kind")
     if kind == "reserve_ratio":

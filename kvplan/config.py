@@ -161,6 +161,13 @@ class ExecutorConfig(ServiceConfig):
     prefetch_policy: str = _env("KVPLAN_PREFETCH_POLICY", "lowbit",
                                 "a prefetch late for its step: lowbit (attend over the low-bit rows) | wait")
     prefetch_timeout_s: float = _env("KVPLAN_PREFETCH_TIMEOUT_S", 0.05, "how long the `wait` policy waits")
+    kv_budget_bytes: int = _env("KVPLAN_KV_BUDGET_BYTES", 0,
+                                "bytes the KV caches of all running jobs may hold; 0: KVPLAN_KV_BUDGET_SHARE of the "
+                                "memory available at start")
+    kv_budget_share: float = _env("KVPLAN_KV_BUDGET_SHARE", 0.5, "share of the available memory the default KV budget takes")
+    max_batched_tokens: int = _env("KVPLAN_MAX_BATCHED_TOKENS", 512,
+                                   "rows a step runs: every decode, then prefill chunks up to this (one always)")
+    max_seqs: int = _env("KVPLAN_MAX_SEQS", 64, "most jobs one executor runs at once")
     max_prompt_bytes: int = _env("KVPLAN_MAX_PROMPT_BYTES", 512 << 10,
                                  "most UTF-8 bytes of a job's prompt, messages and question (checked before tokenizing)")
     max_queued: int = _env("KVPLAN_MAX_QUEUED", 1000, "most jobs waiting or running, all tenants together")
@@ -191,6 +198,14 @@ class ExecutorConfig(ServiceConfig):
             raise ConfigError(f"KVPLAN_PREFETCH_POLICY must be lowbit or wait, got {self.prefetch_policy!r}")
         if self.prefetch_timeout_s < 0:
             raise ConfigError(f"KVPLAN_PREFETCH_TIMEOUT_S must be >= 0, got {self.prefetch_timeout_s}")
+        if self.kv_budget_bytes < 0:
+            raise ConfigError(f"KVPLAN_KV_BUDGET_BYTES must be >= 0 (0: a share of free memory), got {self.kv_budget_bytes}")
+        if not 0 < self.kv_budget_share <= 1:
+            raise ConfigError(f"KVPLAN_KV_BUDGET_SHARE must be in (0, 1], got {self.kv_budget_share}")
+        if self.max_batched_tokens < 1:
+            raise ConfigError(f"KVPLAN_MAX_BATCHED_TOKENS must be >= 1, got {self.max_batched_tokens}")
+        if self.max_seqs < 1:
+            raise ConfigError(f"KVPLAN_MAX_SEQS must be >= 1, got {self.max_seqs}")
         for name, value in (("KVPLAN_MAX_PROMPT_BYTES", self.max_prompt_bytes), ("KVPLAN_MAX_QUEUED", self.max_queued),
                             ("KVPLAN_MAX_QUEUED_PER_TENANT", self.max_queued_per_tenant)):
             if value < 1:

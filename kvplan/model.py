@@ -4,6 +4,7 @@ an fp16 safetensors folder under the cache dir and loaded offline in the compute
 from __future__ import annotations
 
 import hashlib
+import threading
 import importlib.util
 import logging
 import os
@@ -104,6 +105,9 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+_LOADING = threading.Lock()
+
+
 def load(cfg: ModelConfig) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,8 +118,9 @@ def load(cfg: ModelConfig) -> LoadedModel:
         torch.set_num_threads(cfg.threads)
     path = prepare(cfg)
     dtype = getattr(torch, cfg.compute_dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    with _LOADING:        # transformers patches global init functions while it loads: one load at a time
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+        tok = AutoTokenizer.from_pretrained(path)
     c = model.config
     heads = c.num_attention_heads
     return LoadedModel(

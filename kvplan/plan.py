@@ -108,6 +108,7 @@ class CompressionPlan:
     predicted_copy_retained_attention: float = 1.0    # its copy-aware form; 1.0: not predicted
     budget_met: bool | None = None    # holds the job's budget at every step; None: not judged (planner/budget.py)
     budget_floor_tokens: int = 0      # fewest prompt tokens per KV head the plan keeps in a layer
+    predicted_kv_bytes: int = 0       # the most its cache holds at any step of the job (kvcore.plan_cost); 0: not stated
 
     def to_proto(self) -> common_pb2.CompressionPlan:
         return json_format.ParseDict(_drop_none(dataclasses.asdict(self)), common_pb2.CompressionPlan())

@@ -56,12 +56,12 @@ def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, hel
                    evicted: bool) -> np.ndarray:
     """Most bytes one KV head holds at each step of the job (`planner.budget`): its `kept`
     prompt tokens plus the rows added so far — a quant layer takes them into its tail and
-    quantizes whole groups as before, a full layer grows by exactly its rows, an evicted
-    fp16 layer by `held` (its stores grow ROW_CHUNK rows at a time).
+    quantizes whole groups as before, an fp16 layer (full or evicted) grows by `held` (its
+    stores grow ROW_CHUNK rows at a time: `kvcore.cost`).
     added, held: [S + 1] rows added / held after each step (0 first) -> [S + 1] bytes."""
     if bits != 16:
         return layer_bytes(kept + added, bits, head_dim)
-    return (kept + (held if evicted else added)) * token_bytes(16, head_dim)
+    return (kept + held) * token_bytes(16, head_dim)
 
 
 def strategy(d):

@@ -40,10 +40,11 @@ def added_steps(inp: PlanInput) -> list[int]:
 
 def fits_full(inp: PlanInput) -> bool:
     """Whether the uncompressed cache stays within the job's budget at every step: a reserve
-    ratio of 1, or kv_tokens N at least the prompt plus every row the job adds."""
+    ratio of 1, or kv_tokens N at least the prompt plus the rows held for what the job adds (a
+    dense store grows ROW_CHUNK rows at a time: `kvcore.cost`)."""
     if inp.reserve_ratio is not None:
         return inp.reserve_ratio >= 1.0
-    return inp.kv_tokens >= inp.prompt_tokens + sum(added_steps(inp))
+    return inp.kv_tokens >= inp.prompt_tokens + max(held_after(added_steps(inp)), default=0)
 
 
 def context_ratio(inp: PlanInput, cost: float = 1.0) -> float:

@@ -16,6 +16,7 @@ from executor import kvcrush, scoring
 from executor.attention import causal_attention
 from executor.layers.full import FullLayer, LayerContext
 from executor.layers.groups import DenseGroup, grown, index_dtype
+from kvcore import cost
 from kvplan.plan import Eviction, LayerPlan
 
 KEEP_ALL = Eviction(keep_tokens=1 << 62, window=0, scorer="streaming_llm", gqa_mode="mean")
@@ -203,6 +204,17 @@ class EvictedLayer(FullLayer):
             return super().tensors()
         held = [t for group in self.groups for t in group.tensors()]
         return held + (self.masks or [])
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes held at any step while `adds` rows join in turn: each group's own bound,
+        and each `repeat` mask growing by its rows' rule (a byte per query head and column)."""
+        if not self.compressed:
+            return super().bytes_bound(adds)
+        total = sum(g.bytes_bound(adds) for g in self.groups)
+        for mask, group in zip(self.masks or [], self.groups):
+            cols = cost.capacities(mask.shape[1], group.num_tokens, adds)[-1] if adds else mask.shape[1]
+            total += mask.shape[0] * cols
+        return total
 
     def kept_tokens(self) -> int:
         if not self.compressed:

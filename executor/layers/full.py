@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from executor.attention import causal_attention
+from kvcore import cost
 from kvplan.plan import LayerPlan
 
 
@@ -37,6 +38,10 @@ class LayerContext:
 
 
 class FullLayer(DynamicLayer):
+    """Dense K/V in preallocated storage: a call's rows are written in place, the storage grows
+    `cost.ROW_CHUNK` rows at a time past the used rows when they do not fit (a prefill chunk
+    grows it by the chunk), never a copy of every row at every step. Spare rows are held, so
+    `tensors()` counts them. `keys` / `values` are views of the used rows [B, H_kv, T, D]."""
     kind = "full"
 
     def __init__(self, plan: LayerPlan, ctx: LayerContext):
@@ -44,18 +49,41 @@ class FullLayer(DynamicLayer):
         self.plan, self.ctx = plan, ctx
         self.storage_dtype = ctx.storage_dtype
         self.tokens_seen = 0            # tokens that passed through this layer
+        self._k: torch.Tensor | None = None          # [B, H_kv, capacity, D], storage dtype
+        self._v: torch.Tensor | None = None
+        self.used = 0                                # rows of the storage in use
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[..., :self.used, :]
+
+    @keys.setter
+    def keys(self, x: torch.Tensor | None) -> None:      # None drops the dense copy (compression)
+        self._k = x
+        if x is not None:
+            self.used = x.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[..., :self.used, :]
+
+    @values.setter
+    def values(self, x: torch.Tensor | None) -> None:
+        self._v = x
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device   # compute dtype
-        self.keys = torch.empty(*key_states.shape[:2], 0, key_states.shape[-1], dtype=self.storage_dtype, device=self.device)
-        self.values = torch.empty(*value_states.shape[:2], 0, value_states.shape[-1], dtype=self.storage_dtype, device=self.device)
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_empty(b, h, 0, d, dtype=self.storage_dtype)
+        self.values = value_states.new_empty(b, h, 0, d, dtype=self.storage_dtype)
         self.is_initialized = True
 
     seedable = True   # the prefilled context's K/V is all this layer keeps before compression
 
     def seed(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
         """Start from dense K/V already prefilled: [1, H_kv, T, D] in the storage dtype; dtype:
-        the compute dtype (`Runner.prefix_of`)."""
+        the compute dtype (`Runner.prefix_of`). Never written in place (the storage is full, so
+        the next rows grow a new one): shared safely."""
         self.dtype, self.device = dtype, keys.device
         self.keys, self.values, self.is_initialized = keys, values, True
         self.tokens_seen = keys.shape[-2]
@@ -64,20 +92,36 @@ class FullLayer(DynamicLayer):
         """key/value_states: [B, H_kv, T_new, D] (post-RoPE keys) -> all K/V [B, H_kv, T, D], compute dtype."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states.to(self.storage_dtype)], dim=-2)
-        self.values = torch.cat([self.values, value_states.to(self.storage_dtype)], dim=-2)
-        self.tokens_seen += key_states.shape[-2]
+        m, n = key_states.shape[-2], self.used
+        cap = cost.grown(self._k.shape[-2], n, m)
+        if cap > self._k.shape[-2]:
+            spare = (*self._k.shape[:2], cap - n, self._k.shape[-1])
+            self._k = torch.cat([self.keys, self._k.new_empty(spare)], dim=-2)
+            self._v = torch.cat([self.values, self._v.new_empty(spare)], dim=-2)
+        self._k[..., n:n + m, :] = key_states
+        self._v[..., n:n + m, :] = value_states
+        self.used += m
+        self.tokens_seen += m
         if self.storage_dtype == self.dtype:
             return self.keys, self.values
         return self.keys.to(self.dtype), self.values.to(self.dtype)
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q: [B, H, Tq, D]; k, v: [B, H_kv, T, D] -> [B, Tq, H, D], causal."""
         return causal_attention(q, k, v, scaling)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer holds (what `kv_bytes` counts)."""
-        return [t for t in (self.keys, self.values) if t is not None]
+        """Every tensor this layer holds (what `kv_bytes` counts): the whole storage."""
+        return [t for t in (self._k, self._v) if t is not None]
 
     def kept_tokens(self) -> int:
-        return self.get_seq_length()
+        return self.used if self._k is not None else 0
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes this layer holds at any step while `adds` (row counts) join it in turn."""
+        cap = 0 if self._k is None else self._k.shape[-2]
+        rows = cost.capacities(cap, self.used, adds)[-1] if adds else cap
+        return rows * self.ctx.num_kv_heads * cost.dense_row_bytes(self.ctx.head_dim, self.storage_dtype.itemsize)

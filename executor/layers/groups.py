@@ -11,15 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from kernels import build_codebook, match_or_append, reconstruct
+from kvcore import cost
 from kernels.rope_reconstruct import unrotate_rope
 
 
-UINT8_ENTRIES, INT16_ENTRIES = 256, 32768      # most entries a uint8 / int16 index can address
+UINT8_ENTRIES, INT16_ENTRIES = cost.UINT8_ENTRIES, cost.INT16_ENTRIES
+ROW_CHUNK, grown, held_after = cost.ROW_CHUNK, cost.grown, cost.held_after     # the stores' growth rule
 
 
 def index_dtype(n: int) -> torch.dtype:
     """The smallest integer dtype that indexes n entries."""
-    return torch.uint8 if n <= UINT8_ENTRIES else torch.int16 if n <= INT16_ENTRIES else torch.int32
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[cost.index_dtype_bytes(n)]
 
 
 def index_bytes(n: torch.Tensor) -> torch.Tensor:
@@ -35,26 +37,6 @@ def dense_bytes(tokens, head_dim: int, dtype: torch.dtype):
 def _fits(t: torch.Tensor, n: int) -> torch.Tensor:
     """Widen an index tensor when the codebook outgrows its dtype."""
     return t if index_dtype(n).itemsize <= t.element_size() else t.to(index_dtype(n))
-
-
-ROW_CHUNK = 16      # rows a store grows by when decode outgrows it (held, so counted in its bytes)
-
-
-def grown(capacity: int, used: int, m: int, chunk: int = ROW_CHUNK) -> int:
-    """A store's capacity after `m` rows join `used` of `capacity`: unchanged while they fit,
-    else grown by max(m, chunk) past the used rows (DenseGroup rows, `repeat` mask columns)."""
-    return capacity if used + m <= capacity else used + max(m, chunk)
-
-
-def held_after(appends: list[int], chunk: int = ROW_CHUNK) -> list[int]:
-    """Rows held past an exactly sized store's first rows after each of `appends` (row counts):
-    what a job's added rows cost, spare capacity included.  -> [len(appends)]"""
-    held, used, out = 0, 0, []
-    for m in appends:
-        held = grown(held, used, m, chunk)
-        used += m
-        out.append(held)
-    return out
 
 
 class DenseGroup:
@@ -103,6 +85,11 @@ class DenseGroup:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self._k, self._v]
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes held at any step while `adds` rows join in turn (`kvcore.cost`)."""
+        rows = cost.capacities(self._k.shape[0], self.n, adds)[-1] if adds else self._k.shape[0]
+        return rows * cost.dense_row_bytes(self._k.shape[1], self._k.element_size())
 
 
 class CodedRows:
@@ -211,6 +198,15 @@ class CodebookGroup:
         parts = [self.k, self.v]
         held = [t for p in parts for t in (p.tensors() if isinstance(p, CodedRows) else [p])]
         return held + ([self.pos] if self.pos is not None else [])
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes held at any step while `adds` rows join in turn: each row at most a new
+        entry, an index and a magnitude per coded part (a dense row per dense part), the key's
+        position; every index widened to int32."""
+        now = sum(t.nbytes for t in self.tensors())
+        added, d = sum(adds), (self.k if not self.k_coded else self.k.c).shape[-1]
+        widen = sum(3 * (p.ref.shape[0] + added) for p in (self.k, self.v) if isinstance(p, CodedRows))
+        return now + added * cost.coded_row_bytes(d, self.dtype.itemsize) + widen
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ import math
 import torch
 
 from kernels import lowbit_scores, quantize_pack, unpack_dequantize
+from kvcore.cost import lowbit_bytes  # noqa: F401  (the copy's bytes: one cost model)
 
 
 KEY_REFINE = 3        # least-squares refits of each key group's scale and zero
@@ -185,14 +186,3 @@ class LowBitKV:
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
                 self.k_tail, self.v_tail]
-
-
-def lowbit_bytes(tokens: int, heads: int, head_dim: int, bits: int, group: int, residual: int, key_tail: int,
-                 value_group: int | None = None, pads: int = 2, itemsize: int = 2) -> int:
-    """Upper bound of a `LowBitKV`'s bytes holding `tokens` tokens, `key_tail` keys and
-    `residual` values in the storage dtype, with at most `pads` padded key groups."""
-    qk, qv = max(tokens - key_tail, 0), max(tokens - residual, 0)
-    n = -(-qk // group) + pads
-    k = n * head_dim * (group * bits // 8 + 4)                         # codes + fp16 scale and zero
-    v = qv * (head_dim * bits // 8 + 4 * (head_dim // math.gcd(value_group or group, head_dim)))
-    return heads * (k + v + (min(key_tail, tokens) + min(residual, tokens)) * head_dim * itemsize)

@@ -216,5 +216,17 @@ class MergeLayer(FullLayer):
             return self.shared.k.tensors() + self.shared.v.tensors()
         return list(self.shared.pending) if self.shared.pending is not None else []
 
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes held at any step while `adds` rows join in turn: the upper layer's merged
+        rows grow by a direction, two magnitudes and (at most) two retained rows and an index per
+        row of K and of V; the lower layer holds a call's new rows until its partner merges them."""
+        if not self.merged:
+            return super().bytes_bound(adds)
+        w, itemsize = self.ctx.num_kv_heads * self.ctx.head_dim, self.storage_dtype.itemsize
+        if not self.upper:
+            return 2 * w * itemsize * max(adds, default=0)
+        per_row = 2 * (w * itemsize + 2 * itemsize + 4 + 2 * w * itemsize)
+        return sum(t.nbytes for t in self.tensors()) + per_row * sum(adds)
+
     def kept_tokens(self) -> int:
         return self.tokens_seen

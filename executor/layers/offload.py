@@ -27,6 +27,7 @@ import torch
 from executor.attention import causal_attention
 from executor.layers.full import FullLayer, LayerContext
 from executor.layers.lowbit import LowBitKV
+from kvcore import cost
 from kvplan.plan import LayerPlan
 
 
@@ -198,6 +199,21 @@ class OffloadLayer(FullLayer):
         if not self.compressed:
             return super().tensors()
         return self.low.tensors() + [self.sink_k, self.sink_v, self.buf_k, self.buf_v, self.buf_idx]
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes held at any step while `adds` rows join in turn: the low-bit copy's bound
+        (`kvcore.cost.lowbit_bytes`, a padded key group per multi-row call) and the fixed sink
+        rows and prefetch buffer."""
+        if not self.compressed:
+            return super().bytes_bound(adds)
+        low, (h, _, d) = self.low, self.sink_k.shape
+        now = low.k_rows + low.tail
+        seals = len(low.pads) + sum(1 for m in adds if m > 1)
+        bound = max(cost.lowbit_bytes(t, h, d, low.bits, low.group, low.residual, low.residual + low.group - 1,
+                                      low.v_group, seals, self.storage_dtype.itemsize)
+                    for t in (now, now + sum(adds)))
+        fixed = [self.sink_k, self.sink_v, self.buf_k, self.buf_v, self.buf_idx]
+        return max(bound, sum(t.nbytes for t in low.tensors())) + sum(t.nbytes for t in fixed)
 
     def kept_tokens(self) -> int:
         return self.tokens_seen

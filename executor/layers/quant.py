@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from executor.layers.evicted import EvictedLayer
 from executor.layers.full import LayerContext
 from kernels import lowbit_scores, quantize_pack, unpack_dequantize
+from kvcore import cost
 from kvplan.plan import LayerPlan, Quant
 
 LAYER_BITS = (2, 4, 8)      # what a plan may ask of a layer (the kernels also do 1 bit, for SpeCache)
@@ -133,6 +135,14 @@ class QuantGroup:
     def tensors(self) -> list[torch.Tensor]:
         return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
                 self.k_tail, self.v_tail]
+
+    def bytes_bound(self, adds: list[int]) -> int:
+        """Most bytes held at any step while `adds` rows join in turn (`kvcore.cost.quant_bytes`:
+        exact, the tail's flushes included)."""
+        steps = self.num_tokens + np.cumsum([0, *adds])
+        d = self.k_tail.shape[1]
+        return int(cost.quant_bytes(steps, self.bits, self.group, self.residual, d, self.k_tail.element_size(),
+                                    self.v_group).max())
 
 
 class QuantLayer(EvictedLayer):

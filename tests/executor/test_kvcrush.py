@@ -175,8 +175,8 @@ def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_se
     runner = Runner(tiny_model, torch.float16)
     cache, full = runner.new_cache(plan), runner.new_cache(full_plan(tiny_model.num_layers, "f"))
     with torch.inference_mode():
-        runner._prefill(Prompt(CONTEXT, []), cache, lambda *a: None, lambda: False)
-        runner._prefill(Prompt(CONTEXT, []), full, lambda *a: None, lambda: False)
+        runner.prefill(Prompt(CONTEXT, []), cache)
+        runner.prefill(Prompt(CONTEXT, []), full)
     assert len(calls) == tiny_model.num_layers
 
     hq, hk = tiny_model.num_query_heads, tiny_model.num_kv_heads
@@ -216,6 +216,6 @@ def test_kvcrush_layer_selection_is_deterministic(tiny_model):
         runner = Runner(tiny_model, torch.float16)
         cache = runner.new_cache(plan)
         with torch.inference_mode():
-            runner._prefill(Prompt(CONTEXT, []), cache, lambda *a: None, lambda: False)
+            runner.prefill(Prompt(CONTEXT, []), cache)
         rows.append([layer.head_rows.clone() for layer in cache.layers])
     assert all(torch.equal(a, b) for a, b in zip(*rows))

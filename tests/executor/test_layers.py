@@ -23,7 +23,7 @@ def _prefill(lm, plan, context=CONTEXT):
     runner = Runner(lm, torch.float16)
     cache = runner.new_cache(plan)
     with torch.inference_mode():
-        runner._prefill(Prompt(list(context), []), cache, lambda *a: None, lambda: False)
+        runner.prefill(Prompt(list(context), []), cache)
     return runner, cache
 
 

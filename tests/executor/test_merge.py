@@ -158,7 +158,7 @@ def _prefill(lm, plan, prompt):
     runner = Runner(lm, torch.float16)
     cache = runner.new_cache(plan)
     with torch.inference_mode():
-        logits = runner._prefill(prompt, cache, lambda *a: None, lambda: False)
+        logits = runner.prefill(prompt, cache)
     return cache, logits
 
 
@@ -225,7 +225,7 @@ def test_runner_decodes_with_a_merged_pair_and_reports_the_bytes_it_holds(tiny_m
     # K and V each: directions [n, w] + magnitudes [2, n] fp16, per retained row 2 exact rows fp16 + an int32
     cache = runner.new_cache(_merge_plan())
     with torch.inference_mode():
-        runner._prefill(prompt, cache, lambda *a: None, lambda: False)
+        runner.prefill(prompt, cache)
     m_k, m_v = cache.layers[1].shared.k.idx.numel(), cache.layers[1].shared.v.idx.numel()
     assert m_k >= 5 and m_v >= 5                                  # ⌈5% of 90⌉ context rows, plus question rows past τ
     expected = 2 * (n * w * 2 + 2 * n * 2)

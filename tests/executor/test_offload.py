@@ -104,7 +104,7 @@ def test_offload_bytes_are_the_tensors_held_and_fit_the_budget(tiny_model):
     assert ratio <= 0.6
     assert ratio <= offload_budget.ratio(part, 140, 5, tiny_model.head_dim) + 1e-9
     cache = runner.new_cache(runner.fit(offload_plan(tiny_model.num_layers), prompt, Sampling(5), None), LocalHandle())
-    runner._prefill(prompt, cache, lambda *a: None, lambda: False)
+    runner.prefill(prompt, cache)
     layer = cache.layers[0]
     assert cache.layer_bytes()[0].kv_bytes == sum(t.nbytes for t in layer.tensors())
     assert layer.keys is None                                     # the dense copy is gone
@@ -119,7 +119,7 @@ def test_the_prefetch_takes_the_low_bit_top_k_or_re_ranks_candidates_by_exact_ke
     runner, store = Runner(tiny_model, torch.float16), LocalHandle()
     plan = offload_plan(tiny_model.num_layers, top_k=4, rerank=rerank)
     cache = runner.new_cache(runner.fit(plan, PROMPT, Sampling(4), None), store)
-    runner._prefill(PROMPT, cache, lambda *a: None, lambda: False)
+    runner.prefill(PROMPT, cache)
     layer, hk, d = cache.layers[1], tiny_model.num_kv_heads, tiny_model.head_dim
     hn = tiny_model.num_query_heads // hk
     g = torch.Generator().manual_seed(5)
@@ -144,7 +144,7 @@ def test_decode_scores_from_the_codes_equal_scores_over_the_dequantized_rows(tin
     runner, store = Runner(tiny_model, torch.float16), LocalHandle()
     plan = offload_plan(tiny_model.num_layers, top_k=8, sink_tokens=2, recent_window=4)
     cache = runner.new_cache(runner.fit(plan, PROMPT, Sampling(4), None), store)
-    runner._prefill(PROMPT, cache, lambda *a: None, lambda: False)
+    runner.prefill(PROMPT, cache)
     layer, hk, d = cache.layers[1], tiny_model.num_kv_heads, tiny_model.head_dim
     assert layer.low.pads, "the case needs a padded key group"
     g = torch.Generator().manual_seed(9)

@@ -129,7 +129,7 @@ def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, resi
     pos = len(CONTEXT)
     with torch.inference_mode():
         for tok in range(7, 77):                                    # 70 decode steps
-            runner._forward([tok], pos, cache)
+            runner.forward([tok], pos, cache, "after")
             pos += 1
             for layer, lb in zip(cache.layers, cache.layer_bytes()):
                 assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())

@@ -33,7 +33,7 @@ def test_auto_plan_fits_its_budget_in_the_bytes_the_cache_holds(tiny_model, rati
     runner = Runner(tiny_model, torch.float16)
     cache = runner.new_cache(plan)
     with torch.inference_mode():
-        runner._prefill(Prompt(TOKENS, []), cache, lambda *a: None, lambda: False)
+        runner.prefill(Prompt(TOKENS, []), cache)
     held = sum(b.kv_bytes for b in cache.layer_bytes())
     full = sum(b.full_kv_bytes for b in cache.layer_bytes())
     assert held / full <= plan.predicted_reserve_ratio + 1e-9      # the cost model is an upper bound
@@ -69,7 +69,7 @@ def test_the_budget_holds_at_every_decode_step(tiny_model, ratio, kv_tokens):
     cache = runner.new_cache(plan)
     seen = []
     with torch.inference_mode():
-        logits = runner._prefill(Prompt(TOKENS, []), cache, lambda *a: None, lambda: False)
+        logits = runner.prefill(Prompt(TOKENS, []), cache)
         seen.append(_held_ratio(cache))
         for step in range(1, new + 1):
             logits, _ = runner.decode_step(int(logits.argmax()), len(TOKENS) + step - 1, cache, step, None)

@@ -1,0 +1,129 @@
+"""The engine: many jobs decoding together under one KV byte budget (continuous batching).
+
+    step() = schedule -> run -> postprocess
+
+`sequence()` makes a job's `Sequence` (its cache shaped by its plan, its prefill parts, its
+reservation); `add()` hands it to the engine from any thread; one thread calls `step()` while
+`has_work()`. After every step the bytes the running sequences' tensors hold are measured
+against the budget (`usage`)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+from typing import Callable
+
+import torch
+
+from cachestore.handle import LocalHandle
+from executor import offload_budget
+from executor.engine.kv_budget import KVBudget, Usage
+from executor.engine.model_runner import ModelRunner
+from executor.engine.scheduler import Scheduler
+from executor.engine.sequence import Sampling, Sequence, prefill_parts
+from executor.prompt import Prompt
+from kvcore import plan_cost
+from kvplan.model import LoadedModel
+from kvplan.plan import CompressionPlan
+
+log = logging.getLogger("kvplan.executor.engine")
+
+
+def stop_ids(lm: LoadedModel) -> set[int]:
+    ids = {lm.tokenizer.eos_token_id}
+    gen = getattr(lm.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {i for i in ids if i is not None}
+
+
+class LLMEngine:
+    def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, budget: KVBudget, max_batched_tokens: int = 512,
+                 max_seqs: int = 64, prefill_chunk: int = 512, prefetch_wait_s: float = 0.0):
+        """prefill_chunk: prompt tokens per prefill part (at most max_batched_tokens);
+        prefetch_wait_s: how long an offload layer waits for a late prefetch (0: never)."""
+        self.lm, self.storage_dtype, self.budget = lm, storage_dtype, budget
+        self.chunk = min(prefill_chunk, max_batched_tokens)
+        self.prefetch_wait_s = prefetch_wait_s
+        self.runner = ModelRunner(lm, storage_dtype)
+        self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm))
+        self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self.usage = Usage(0, 0, budget.total)
+
+    # -- sequences ------------------------------------------------------------------------------
+    def fit(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling, ratio: float | None) -> CompressionPlan:
+        """An offload plan's part fitted to the job's reserve ratio (`executor.offload_budget`)."""
+        if not plan.offload.enabled:
+            return plan
+        off = offload_budget.fit(plan.offload, ratio, prompt.num_tokens, sampling.max_new_tokens,
+                                 self.lm.head_dim, self.storage_dtype.itemsize)
+        return dataclasses.replace(plan, offload=off)
+
+    def plan_bytes(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling) -> int:
+        """The most the plan's cache holds at any step after the context (`kvcore.plan_cost`)."""
+        lm = self.lm
+        return plan_cost.plan_bytes(plan, lm.num_kv_heads, lm.num_query_heads, lm.head_dim, len(prompt.context_ids),
+                                    len(prompt.question_ids), sampling.max_new_tokens, self.storage_dtype.itemsize,
+                                    self.chunk)
+
+    def reservation(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling) -> int:
+        """Bytes a job reserves before its prefill: the larger of its prefill's peak and its plan's
+        worst step over the job."""
+        lm, itemsize = self.lm, self.storage_dtype.itemsize
+        return max(plan_cost.prefill_bytes(plan, lm.num_kv_heads, lm.head_dim, len(prompt.context_ids), itemsize),
+                   self.plan_bytes(plan, prompt, sampling))
+
+    def sequence(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling, *,
+                 emit: Callable[[str, object], None] = lambda kind, x: None,
+                 cancelled: Callable[[], bool] = lambda: False, store=None, ratio: float | None = None,
+                 prefix=None, measure_recall: bool = False, job_id: str = "") -> Sequence:
+        """A job's sequence. Offload plans: `store` is its cachestore handle (None: an in-process
+        one, released when it ends) and `ratio` the reserve ratio its offload part is fitted to.
+        `prefix`: the prompt's leading chunks already prefilled (`executor.runner.Prefix`).
+        Raises `OverBudget` when its reservation exceeds the whole budget."""
+        plan = self.fit(plan, prompt, sampling, ratio)
+        plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, prompt, sampling))
+        own = store is None and plan.offload.enabled
+        store = LocalHandle() if own else store
+        cache = self.runner.new_cache(plan, store)
+        cache.state.context_tokens = len(prompt.context_ids)
+        cache.state.wait_s = self.prefetch_wait_s
+        cache.state.recall = [] if plan.offload.enabled and measure_recall else None
+        parts = prefill_parts(prompt, self.chunk, cache.max_window)
+        done = 0
+        if prefix is not None and prefix.parts and prefix.seeds(cache, [(p.start, p.start + len(p.ids)) for p in parts]):
+            for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
+                layer.seed(k, v, self.lm.model.dtype)   # never written in place: shared safely
+            parts, done = parts[len(prefix.parts):], prefix.tokens
+        need = self.reservation(plan, prompt, sampling)
+        self.budget.check_fits_at_all(need)
+        return Sequence(prompt, plan, sampling, cache, parts, self.lm.tokenizer, emit, cancelled, store, job_id,
+                        reserved=need, done_tokens=done, own_store=own)
+
+    def add(self, seq: Sequence) -> None:
+        """Hand a sequence to the engine (any thread); it waits until its reservation fits."""
+        self.inbox.put(seq)
+
+    def has_work(self) -> bool:
+        return not self.inbox.empty() or not self.scheduler.is_finished()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One step of every admitted sequence -> those that finished in it."""
+        while not self.inbox.empty():
+            self.scheduler.add(self.inbox.get())
+        segments = self.scheduler.schedule()
+        outputs = self.runner.run(segments) if segments else []
+        finished = self.scheduler.postprocess(segments, outputs)
+        for seq in finished:
+            if seq.own_store:
+                seq.store.release()
+        self.usage = self.budget.observe(sum(seq.kv_bytes() for seq in self.scheduler.running))
+        return finished
+
+    def run_all(self) -> list[Sequence]:
+        """Step until every added sequence ended (benches, tests) -> them, in the order they ended."""
+        done = []
+        while self.has_work():
+            done += self.step()
+        return done

@@ -1,0 +1,146 @@
+"""Which rows the next step runs, and what the step's outputs do to each sequence.
+
+schedule(): admit waiting sequences first-come first-served while the KV budget holds their
+reservations (and fewer than `max_seqs` run); then every decoding sequence's rows (one; two for
+SpeCache's speculative step), then prefill parts of admitted sequences in admission order while
+the step's rows stay within `max_batched_tokens` — one part always goes, so a long prompt
+prefills a chunk per step beside the decodes instead of freezing them for its whole prefill.
+
+postprocess(): a prefill part done advances its sequence (after the context's last chunk the
+reservation tightens to what the compressed cache can still grow to; after the prompt's last
+part its first token is sampled); a decode appends its token; stop token, max_new_tokens or a
+cancel finish a sequence and release its bytes."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from executor.engine.kv_budget import KVBudget
+from executor.engine.sequence import Sequence, Status
+
+log = logging.getLogger("kvplan.executor.engine")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a step: `ids` fed from position `start` under cache `phase`; the
+    logits of its last `keep` rows come back; `sample`: the step samples its next token."""
+    seq: Sequence
+    ids: tuple[int, ...]
+    start: int
+    phase: str
+    keep: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class Output:
+    token: int | None        # sampled next token (segments that sample)
+    guess: int | None        # SpeCache: the next speculative token ("predecode", "spec")
+
+
+class Scheduler:
+    def __init__(self, budget: KVBudget, max_batched_tokens: int, max_seqs: int, stop_ids: set[int]):
+        self.budget, self.max_batched_tokens, self.max_seqs = budget, max_batched_tokens, max_seqs
+        self.stop_ids = stop_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: list[Sequence] = []          # ended outside a step's outputs (cancelled)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- schedule -------------------------------------------------------------------------------
+    def schedule(self) -> list[Segment]:
+        self._drop_cancelled()
+        while self.waiting and len(self.running) < self.max_seqs and self.budget.can_reserve(self.waiting[0].reserved):
+            seq = self.waiting.popleft()
+            self.budget.reserve(seq.seq_id, seq.reserved)
+            seq.status, seq.t_admitted = Status.PREFILL, time.perf_counter()
+            self.running.append(seq)
+        segments, rows, prefills = [], 0, 0
+        for seq in self.running:
+            if seq.status is Status.DECODE:
+                ids, phase = seq.decode_rows()
+                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase != "predecode"))
+                rows += len(ids)
+        for seq in self.running:
+            if seq.status is not Status.PREFILL:
+                continue
+            part = seq.parts[0]
+            if prefills and rows + len(part.ids) > self.max_batched_tokens:
+                break
+            last = len(seq.parts) == 1
+            segments.append(Segment(seq, part.ids, part.start, part.phase, 1 if last else 0, last))
+            rows, prefills = rows + len(part.ids), prefills + 1
+        return segments
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.waiting if s.cancelled()]:
+            self.waiting.remove(seq)
+            seq.finish("cancelled")
+            self.finished.append(seq)
+        for seq in [s for s in self.running if s.cancelled()]:
+            self.abort(seq, "cancelled")
+
+    # -- postprocess ----------------------------------------------------------------------------
+    def postprocess(self, segments: list[Segment], outputs: list[Output]) -> list[Sequence]:
+        """-> the sequences that finished in this step (and any cancelled since the last)."""
+        done, self.finished = self.finished, []
+        for seg, out in zip(segments, outputs):
+            seq = seg.seq
+            if seq.status is Status.PREFILL:
+                seq.parts.pop(0)
+                seq.done_tokens += len(seg.ids)
+                seq.emit("progress", (seq.done_tokens, seq.prompt.num_tokens))
+                if seg.phase == "compress":
+                    self._tighten(seq)
+                if seq.parts:
+                    continue
+                seq.status, seq.t_prefilled = Status.DECODE, time.perf_counter()
+            else:
+                seq.guess = out.guess
+                if seg.phase == "predecode":
+                    continue
+                seq.steps += 1
+            self._take(seq, out.token)
+            if seq.status is Status.FINISHED:
+                self._end(seq, seq.finish_reason)
+                done.append(seq)
+        return done
+
+    def _take(self, seq: Sequence, tok: int) -> None:
+        if tok in self.stop_ids:
+            seq.finish("eos")
+            return
+        seq.append(tok)
+        if len(seq.generated) >= seq.sampling.max_new_tokens:
+            seq.finish("length")
+
+    def _tighten(self, seq: Sequence) -> None:
+        """The context is compressed: reserve what the cache holds plus the most it can grow to
+        over the question's parts and the generated rows fed back."""
+        adds = [len(p.ids) for p in seq.parts] + [1] * max(seq.sampling.max_new_tokens - 1, 0)
+        need = seq.cache.bytes_bound(adds)
+        if self.budget.resize(seq.seq_id, need):
+            seq.reserved = need
+        else:
+            log.error("job %s: its compressed cache may grow to %d bytes, past the %d reserved before its prefill "
+                      "and more than the budget has free", seq.job_id, need, seq.reserved)
+
+    def abort(self, seq: Sequence, reason: str) -> None:
+        """End an admitted sequence outside a step's outputs (cancelled, or its step failed);
+        the next `postprocess` returns it."""
+        self._end(seq, reason)
+        self.finished.append(seq)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        seq.finish(reason)
+        self.budget.release(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)

@@ -1,0 +1,150 @@
+"""One job's state in the engine: its prompt split into prefill parts, its sampling, its plan and
+the `PlannedCache` shaped by it (each sequence keeps its own per-layer layout), its cachestore
+handle, where it is (position, phase), what it generated, its incremental detokenizer and
+SpeCache's speculative guess.
+
+A sequence moves WAITING -> PREFILL (admitted: its bytes reserved; prefill parts scheduled one
+per step) -> DECODE (a row per step; an offload plan: one pre-decoding step, then two rows per
+step, the real token and the guess) -> FINISHED."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tokenizers.decoders import DecodeStream
+
+from executor.cache import PlannedCache
+from executor.engine import sampler
+from executor.prompt import Prompt
+from kvplan.plan import CompressionPlan
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """A prefill chunk: ids fed at `start`, under the cache phase the layers act on ("context":
+    the part to compress; "compress": its last chunk, after whose attention layers compress;
+    "after": the question, over the compressed cache)."""
+    ids: tuple[int, ...]
+    start: int
+    phase: str
+
+
+def chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:
+    """[start, end) spans covering n tokens, `size` each, the last one at least `min_last` long
+    (it holds the observation window the layers score the context with)."""
+    bounds = list(range(0, n, size)) + [n]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    while len(spans) > 1 and spans[-1][1] - spans[-1][0] < min_last:
+        spans[-2:] = [(spans[-2][0], spans[-1][1])]
+    return spans
+
+
+def prefill_parts(prompt: Prompt, chunk: int, min_last: int, skip: int = 0) -> list[Part]:
+    """The prompt's prefill as parts: the context in `chunk`-token spans (the last one holding at
+    least `min_last`), then the question in `chunk`-token spans. Fixed per sequence, whatever it
+    is batched with, so a job's arithmetic is the same alone or batched. `skip`: context spans
+    already prefilled (a seeded prefix)."""
+    ctx, n = prompt.context_ids, len(prompt.context_ids)
+    parts = [Part(tuple(ctx[a:b]), a, "compress" if b == n else "context")
+             for a, b in chunks(n, chunk, min_last)[skip:]]
+    q = prompt.question_ids
+    parts += [Part(tuple(q[a:a + chunk]), n + a, "after") for a in range(0, len(q), chunk)]
+    return parts
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: Prompt
+    plan: CompressionPlan
+    sampling: Sampling
+    cache: PlannedCache
+    parts: list[Part]                                  # prefill parts not yet run, in order
+    tokenizer: object                                  # a transformers fast tokenizer
+    emit: Callable[[str, object], None] = lambda kind, x: None    # ("progress", (done, total)) | ("delta", (text, ids))
+    cancelled: Callable[[], bool] = lambda: False
+    store: object | None = None                        # cachestore.handle.JobHandle (offload plans)
+    job_id: str = ""
+    own_store: bool = False                            # the engine releases the store when it ends
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    reserved: int = 0                                  # bytes the KV budget holds for it
+    done_tokens: int = 0                               # prompt tokens prefilled
+    generated: list[int] = field(default_factory=list)
+    last_token: int | None = None                      # sampled, to be fed next
+    guess: int | None = None                           # SpeCache: the speculative next token
+    steps: int = 0                                     # decode forwards after the prefill
+    finish_reason: str = ""                            # "eos" | "length" | "cancelled"
+    text: str = ""                                     # streamed so far
+    t_added: float = field(default_factory=time.perf_counter)
+    t_admitted: float | None = None
+    t_prefilled: float | None = None
+    t_finished: float | None = None
+    t_tokens: list[float] = field(default_factory=list)   # when each generated token was sampled
+
+    def __post_init__(self):
+        self.detok = DecodeStream(skip_special_tokens=True)
+        self.gen = sampler.generator(self.sampling.seed) if self.sampling.temperature > 0 else None
+
+    # -- what the next step feeds -------------------------------------------------------------
+    @property
+    def offload(self) -> bool:
+        return self.plan.offload.enabled
+
+    @property
+    def pos(self) -> int:
+        """Position of the next token fed (the prompt's, then one per fed generated token)."""
+        return self.prompt.num_tokens + self.steps
+
+    def decode_rows(self) -> tuple[list[int], str]:
+        """The rows of this sequence's next decode step and the cache phase they run under: the
+        sampled token; an offload plan first pre-decodes it (stores nothing, guesses the next),
+        then feeds it with the guess ("spec")."""
+        if not self.offload:
+            return [self.last_token], "after"
+        if self.guess is None:
+            return [self.last_token], "predecode"
+        return [self.last_token, self.guess], "spec"
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def append(self, tok: int) -> None:
+        """A sampled token: kept and streamed unless it stops the sequence."""
+        self.t_tokens.append(time.perf_counter())
+        self.generated.append(tok)
+        self.last_token = tok
+        piece = self.detok.step(self.tokenizer._tokenizer, tok)
+        if piece is not None:                     # None: an incomplete UTF-8 character so far
+            self.text += piece
+        self.emit("delta", (piece or "", [tok]))
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = Status.FINISHED, reason
+        self.t_finished = time.perf_counter()
+
+    @property
+    def final_text(self) -> str:
+        return self.tokenizer.decode(self.generated, skip_special_tokens=True)
+
+    def kv_bytes(self) -> int:
+        """Bytes the tensors of this sequence's cache hold now."""
+        return self.cache.kv_bytes()

@@ -1,0 +1,150 @@
+"""The engine on the tiny model: a job's tokens and bytes are the same alone or batched with jobs of
+every other layer kind; the bytes the caches hold never pass the budget nor a sequence its
+reservation; a long prompt prefills a chunk per step beside running decodes; admission waits for
+room; a job too large for the whole budget is refused; cancel ends a job and frees its bytes."""
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling, Status
+from executor.prompt import Prompt
+from executor.runner import Runner
+from kvplan.plan import (Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant,
+                         full_plan)
+
+REPEAT = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat", span_tokens=4, sink_tokens=2)
+MEAN = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="mean")
+
+
+def _plans(m: int) -> dict[str, CompressionPlan]:
+    def each(**parts):
+        return CompressionPlan("p", "t", tuple(LayerPlan(i, **parts) for i in range(m)))
+    return {
+        "full": full_plan(m, "f"),
+        "snapkv-repeat": each(eviction=REPEAT),
+        "snapkv-mean": each(eviction=MEAN),
+        "h2o": each(eviction=dataclasses.replace(MEAN, scorer="h2o")),
+        "codebook": each(eviction=REPEAT, codebook=Codebook(0.6, 0.5)),
+        "quant": each(eviction=MEAN, quant=Quant(bits=4, group_size=16, residual=8)),
+        "merge": CompressionPlan("p", "t", (LayerPlan(0), LayerPlan(1, merge=Merge(0, 0.6, 0.1, 0.1)))),
+        "offload": dataclasses.replace(full_plan(m, "o"), offload=OffloadPlan(
+            enabled=True, low_bits=2, group_size=16, top_k=16, recent_window=8, sink_tokens=2, value_group_size=16,
+            rerank=1)),
+    }
+
+
+def _jobs(m: int, seed: int = 0) -> list[tuple[str, CompressionPlan, Prompt]]:
+    rng = random.Random(seed)
+    jobs = []
+    for name, plan in _plans(m).items():
+        context = [rng.randint(100, 40000) for _ in range(rng.randint(60, 140))]
+        jobs.append((name, plan, Prompt(context, [rng.randint(100, 40000) for _ in range(rng.randint(0, 9))])))
+    return jobs
+
+
+@pytest.mark.parametrize("sampling", [Sampling(12), Sampling(12, temperature=1.0, top_p=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_a_jobs_tokens_and_bytes_are_the_same_alone_or_batched_with_every_layer_kind(tiny_model, sampling):
+    jobs = _jobs(tiny_model.num_layers)
+    # SpeCache's prefetches wait until they land (the `wait` policy): on time alone or batched
+    runner = Runner(tiny_model, torch.float16, prefill_chunk=32, prefetch_wait_s=30.0)
+    solo = {name: runner.run(prompt, plan, sampling) for name, plan, prompt in jobs}
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), max_batched_tokens=40, prefill_chunk=32,
+                       prefetch_wait_s=30.0)
+    seqs = {name: engine.sequence(prompt, plan, sampling) for name, plan, prompt in jobs}
+    for seq in seqs.values():
+        engine.add(seq)
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, sum(s.status is Status.DECODE for s in engine.scheduler.running))
+    assert most >= 4                                   # they really decoded together
+    for name, seq in seqs.items():
+        assert seq.generated == solo[name].token_ids, name
+        assert seq.cache.layer_bytes() == solo[name].layers, name
+        assert seq.final_text == solo[name].text
+    full = seqs["full"].cache.layers[0]
+    alone = runner.new_cache(full_plan(tiny_model.num_layers, "f"))
+    runner.prefill(jobs[0][2], alone)
+    n = jobs[0][2].num_tokens
+    assert torch.equal(full.keys[..., :n, :], alone.layers[0].keys)      # bit for bit
+
+
+def test_bytes_held_never_pass_the_budget_nor_a_sequence_its_reservation(tiny_model):
+    jobs = _jobs(tiny_model.num_layers, seed=1) * 2
+    probe = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefill_chunk=32)
+    needs = [probe.reservation(plan, prompt, Sampling(16)) for _, plan, prompt in jobs]
+    budget = KVBudget(3 * max(needs))                                    # a few jobs at a time
+    engine = LLMEngine(tiny_model, torch.float16, budget, max_batched_tokens=48, prefill_chunk=32)
+    seqs = [engine.sequence(prompt, plan, Sampling(16)) for _, plan, prompt in jobs]
+    for seq in seqs:
+        engine.add(seq)
+    peak, most, waited = 0, 0, False
+    while engine.has_work():
+        engine.step()
+        held = {s.seq_id: s.kv_bytes() for s in engine.scheduler.running}
+        for s in engine.scheduler.running:
+            assert held[s.seq_id] <= budget.held(s.seq_id), (s.plan.plan_id, held[s.seq_id], budget.held(s.seq_id))
+        assert sum(held.values()) <= budget.total and budget.reserved <= budget.total
+        peak, most = max(peak, sum(held.values())), max(most, len(engine.scheduler.running))
+        waited |= bool(engine.scheduler.waiting)
+    assert waited and 2 <= most < len(jobs)                              # the budget, not the count, limited them
+    assert budget.reserved == 0 and budget.peak_measured == peak > 0
+    assert all(s.status is Status.FINISHED and len(s.generated) >= 1 for s in seqs)
+
+
+def test_a_compressed_job_reserves_less_once_its_context_is_compressed(tiny_model):
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefill_chunk=32)
+    _, plan, prompt = _jobs(tiny_model.num_layers)[1]                    # snapkv, repeat mode
+    seq = engine.sequence(prompt, plan, Sampling(8))
+    before = seq.reserved
+    assert before >= engine.reservation(full_plan(tiny_model.num_layers, "f"), Prompt(prompt.context_ids, []),
+                                        Sampling(1))                  # the prefill holds the dense context
+    engine.add(seq)
+    while seq.status is not Status.DECODE:
+        engine.step()
+    assert seq.kv_bytes() <= seq.reserved < before / 2
+
+
+def test_a_long_prompt_prefills_a_chunk_per_step_beside_running_decodes(tiny_model):
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), max_batched_tokens=32, prefill_chunk=32)
+    short = [engine.sequence(Prompt(list(range(100 + i, 140 + i)), []), full_plan(2, "f"), Sampling(40))
+             for i in range(3)]
+    for seq in short:
+        engine.add(seq)
+    while any(s.status is not Status.DECODE for s in short):
+        engine.step()
+    long = engine.sequence(Prompt(list(range(2000, 2200)), []), full_plan(2, "f"), Sampling(4))
+    engine.add(long)
+    steps = 0
+    while long.status is not Status.DECODE:
+        before = [len(s.generated) for s in short]
+        engine.step()
+        steps += 1
+        assert [len(s.generated) for s in short] == [b + 1 for b in before]      # every decode got its token
+    assert steps == 7                     # 200 tokens in 32-token parts (the last holds the rest): never at once
+
+
+def test_a_job_larger_than_the_whole_budget_is_refused_naming_both_numbers(tiny_model):
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(10_000), prefill_chunk=32)
+    with pytest.raises(OverBudget) as e:
+        engine.sequence(Prompt(list(range(100, 400)), []), full_plan(2, "f"), Sampling(8))
+    assert "10000 bytes" in str(e.value) and str(e.value.need) in str(e.value)
+
+
+def test_cancel_ends_a_running_job_and_frees_its_bytes(tiny_model):
+    budget = KVBudget(1 << 40)
+    engine = LLMEngine(tiny_model, torch.float16, budget, prefill_chunk=32)
+    stop = {"now": False}
+    a = engine.sequence(Prompt(list(range(100, 160)), []), full_plan(2, "f"), Sampling(50), cancelled=lambda: stop["now"])
+    b = engine.sequence(Prompt(list(range(300, 360)), []), full_plan(2, "f"), Sampling(10))
+    engine.add(a), engine.add(b)
+    for _ in range(5):
+        engine.step()
+    stop["now"] = True
+    ended = engine.step()
+    assert a in ended and a.finish_reason == "cancelled" and budget.held(a.seq_id) == 0
+    engine.run_all()
+    assert b.finish_reason in ("eos", "length") and budget.reserved == 0
