@@ -207,8 +207,13 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         return cachestore_pb2.ReleaseReply(freed_bytes=freed)
 
     async def Stats(self, request: cachestore_pb2.StatsRequest, context) -> cachestore_pb2.StatsReply:
-        """Totals, or a tenant's or a job's; a user key sees its own tenant's only."""
-        s = await self._call(context, lambda: self.store.stats(auth.acting_tenant(request.tenant, ""), request.job_id))
+        """Totals (an admin's, without a tenant), or a tenant's or a job's; a user key sees its own
+        tenant's only."""
+        def stats():
+            everyone = not request.tenant and auth.caller().role == "admin"
+            return self.store.stats("" if everyone else auth.acting_tenant(request.tenant, ""), request.job_id)
+
+        s = await self._call(context, stats)
         return cachestore_pb2.StatsReply(
             capacity_bytes=s.capacity_bytes, used_bytes=s.used_bytes, blocks=s.blocks, jobs=s.jobs,
             pinned_jobs=s.pinned_jobs, evictions=s.evictions, hits=s.hits, misses=s.misses,

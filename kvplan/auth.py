@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import redis.exceptions
 import yaml
 from google.protobuf.message import DecodeError
 
-from kvplan.config import ConfigError, SecurityConfig
+from kvplan.config import ConfigError, SecurityConfig, from_env
 
 ROLES = ("user", "admin")
 TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -169,6 +170,34 @@ def add_key(path: str | Path, tenant: str, role: str) -> str:
     return key
 
 
+ADMIN_KEY_FILE, KEYS_FILE = "admin.key", "keys.json"     # in a `kvplan up` cluster's state dir
+
+
+def cluster_keys(state: Path, environ: dict) -> dict[str, str]:
+    """The env a `kvplan up` cluster's services run with: a keys file in the state dir holding an
+    admin key (saved 0600 as admin.key, which the CLI then uses) and the services' own key. None
+    of it when KVPLAN_AUTH=off, or when the caller brings KVPLAN_AUTH_KEYS_FILE (and then the
+    services' KVPLAN_API_KEY) itself."""
+    sec = from_env(SecurityConfig, environ)
+    if not sec.auth_on or sec.keys_file:
+        return {}
+    keys = state / KEYS_FILE
+    keys.unlink(missing_ok=True)                        # a new cluster, new keys
+    admin = add_key(keys, "admin", "admin")
+    service = add_key(keys, "kvplan-services", "admin")
+    fd = os.open(state / ADMIN_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(admin + "\n")
+    return {"KVPLAN_AUTH": "on", "KVPLAN_AUTH_KEYS_FILE": str(keys), "KVPLAN_API_KEY": service}
+
+
+def use_cluster_key(state: Path) -> None:
+    """The CLI's key: KVPLAN_API_KEY, else the admin key of the `kvplan up` cluster in `state`."""
+    f = state / ADMIN_KEY_FILE
+    if not os.environ.get("KVPLAN_API_KEY") and f.exists():
+        os.environ["KVPLAN_API_KEY"] = f.read_text().strip()
+
+
 def keyring(sec: SecurityConfig) -> KeyRing | None:
     """The keys a server checks; None when authentication is off."""
     if not sec.auth_on:
@@ -185,6 +214,15 @@ def _bearer(context) -> str:
             scheme, _, key = (v if isinstance(v, str) else v.decode()).partition(" ")
             return key.strip() if scheme.lower() == "bearer" else ""
     return ""
+
+
+# what a servicer meets when a store it uses went away (Redis): UNAVAILABLE, never UNKNOWN
+UNREACHABLE = (ConnectionError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+async def _unavailable(context, e: Exception) -> None:
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"a store this service uses is unreachable "
+                                                     f"({type(e).__name__}: {printable(str(e), 200)}); retry")
 
 
 class Gate(grpc.aio.ServerInterceptor):
@@ -213,12 +251,20 @@ class Gate(grpc.aio.ServerInterceptor):
 
         if handler.unary_unary:
             async def unary(raw, context):
-                return await handler.unary_unary(await admit(raw, context), context)
+                request = await admit(raw, context)
+                try:
+                    return await handler.unary_unary(request, context)
+                except UNREACHABLE as e:
+                    await _unavailable(context, e)
             return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
 
         async def stream(raw, context):
-            async for item in handler.unary_stream(await admit(raw, context), context):
-                yield item
+            request = await admit(raw, context)
+            try:
+                async for item in handler.unary_stream(request, context):
+                    yield item
+            except UNREACHABLE as e:
+                await _unavailable(context, e)
         return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
 
     async def _identify(self, context) -> Identity:

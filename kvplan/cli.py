@@ -8,6 +8,7 @@
     kvplan plan --strategy S --ratio R        plan a job in this process and print the per-layer plan
     kvplan serve planner|executor|cachestore|http   run one service in the foreground
     kvplan prepare-model                      convert the model once into the cache dir
+    kvplan keys add --tenant T --role R       make an API key (printed once; its hash joins the keys file)
 
 Exit codes: 0 ok, 1 the job or a service failed, 2 bad input (checked before any service
 starts), 3 `generate --strict` and the job ran degraded or did not hold its budget.
@@ -22,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from kvplan import __version__
+from kvplan import auth, keyscmd
 from kvplan.config import ClientConfig, ClusterConfig, ConfigError, ModelConfig, from_env
 from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION  # noqa: F401  (tests use them)
 
@@ -84,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                          "and its copy-aware form")
     pl.add_argument("--json", action="store_true", help="print the plan in the proto's JSON form")
     pl.add_argument("--plot", type=Path, metavar="FILE.png", help="draw kept tokens per layer (needs matplotlib)")
+    keyscmd.add_parser(sub)
     return p
 
 
@@ -120,6 +123,9 @@ def _dispatch(args) -> int:
         return _serve(args.service)
     from kvplan import cluster
     ccfg, mcfg = from_env(ClusterConfig), from_env(ModelConfig)
+    auth.use_cluster_key(cluster.state_dir(ccfg, mcfg))     # no KVPLAN_API_KEY: the `kvplan up` admin key
+    if args.cmd == "keys":
+        return keyscmd.run(args, cluster.state_dir(ccfg, mcfg), UsageError)
     if args.cmd == "up":
         cluster.up(ccfg, mcfg)
         return 0

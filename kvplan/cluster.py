@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import psutil
 
 from kvplan.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, HttpConfig, ModelConfig, PlannerConfig,
                            from_env)
+from kvplan import auth
 from kvplan.serving import check_health
 
 SERVICES = ("planner", "cachestore", "executor", "http")        # start order; stopped in reverse
@@ -95,15 +97,17 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
     env["KVPLAN_PLANNER_ADDR"] = f"127.0.0.1:{pcfg.port}"
     env["KVPLAN_CACHESTORE_ADDR"] = f"127.0.0.1:{ccfg.port}"
     env["KVPLAN_EXECUTOR_ADDR"] = f"127.0.0.1:{ecfg.port}"       # the HTTP API's executor
+    d.chmod(0o700)                                     # keys, the Redis password and logs: this user's only
+    env.update(auth.cluster_keys(d, env))              # API keys on: an admin key for the CLI, one for the services
     members: list[Member] = []
     try:
         redis_url = cfg.redis_url
         if not redis_url and shutil.which("redis-server"):
             port = _free_port()
-            p = _spawn("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", str(d)], env, d)
-            redis_url = f"redis://127.0.0.1:{port}/0"
-            members.append(Member("redis", p.pid, redis_url))
+            password = redis_config(d, port)
+            p = _spawn("redis", ["redis-server", str(d / "redis.conf")], env, d)
+            redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+            members.append(Member("redis", p.pid, f"redis://127.0.0.1:{port}/0"))   # no password in cluster.json
             wait_redis(port)
         env["KVPLAN_REDIS_URL"] = redis_url
         if not redis_url:
@@ -131,13 +135,24 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
     return members
 
 
+def redis_config(d: Path, port: int) -> str:
+    """A redis.conf (0600) for the cluster's Redis: loopback, a password, append-only persistence
+    (queued and running jobs survive a Redis restart). -> the password"""
+    password = secrets.token_urlsafe(24)
+    fd = os.open(d / "redis.conf", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\nappendonly yes\n"
+                f"appendfsync everysec\ndir {d}\n")
+    return password
+
+
 def wait_redis(port: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):     # up (a password is asked first)
                     return
         except OSError:
             time.sleep(0.1)
