@@ -132,11 +132,6 @@ async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True,
     return server, port
 
 
-async def shutdown(server: grpc.aio.Server, svc: Service, grace_s: float) -> None:
-    await svc.health.enter_graceful_shutdown()
-    if svc.warm_task and not svc.warm_task.done():
-        svc.warm_task.cancel()
-    await server.stop(grace_s)
 async def set_health(svc: Service, serving: bool) -> None:
     """Report the whole server and each of its services SERVING or NOT_SERVING."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -144,6 +139,11 @@ async def set_health(svc: Service, serving: bool) -> None:
         await svc.health.set(name, status)
 
 
+async def shutdown(server: grpc.aio.Server, svc: Service, grace_s: float) -> None:
+    await svc.health.enter_graceful_shutdown()
+    if svc.warm_task and not svc.warm_task.done():
+        svc.warm_task.cancel()
+    await server.stop(grace_s)
     if svc.stop:
         await svc.stop()
 
