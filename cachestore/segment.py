@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,3 +127,31 @@ class Segment:
 def leftovers() -> list[str]:
     """kvplan segments present on this host (tests check none leaks)."""
     return sorted(p.name for p in SHM_DIR.glob(PREFIX + "*"))
+
+
+def mapped() -> set[str]:
+    """Names of the kvplan segments some process on this host maps (from /proc/*/maps)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:                      # gone, or not ours to read
+            continue
+        names.update(line.rsplit("/", 1)[-1].removesuffix(" (deleted)") for line in text.splitlines()
+                     if f"{SHM_DIR}/{PREFIX}" in line)
+    return names
+
+
+def sweep_orphans(min_age_s: float = 30.0) -> list[str]:
+    """Unlink kvplan segments no process maps and older than `min_age_s`: left by a cachestore
+    killed while the executor of the job had died too (each side unlinks what the other left
+    otherwise). A cachestore calls it when it starts. -> the names unlinked"""
+    now, live, gone = time.time(), mapped(), []
+    for path in SHM_DIR.glob(PREFIX + "*"):
+        try:
+            if path.name not in live and now - path.stat().st_mtime > min_age_s:
+                path.unlink()
+                gone.append(path.name)
+        except FileNotFoundError:
+            pass
+    return gone

@@ -20,7 +20,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from cachestore.keys import BlockKey, JobKey
-from cachestore.segment import Layout, NoSpace, Segment, segment_name
+from cachestore.segment import Layout, NoSpace, Segment, segment_name, sweep_orphans
 from cachestore.spill import RedisSpill
 from cachestore.store import BlockStore, CapacityError, StaleAttempt
 from kvplan import auth
@@ -257,6 +257,10 @@ def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Ser
         spill = RedisSpill(cfg.redis_url, cfg.spill_ttl_s) if cfg.redis_url else None
         store = BlockStore(cfg.capacity_bytes, spill=spill)
     servicer = CachestoreServicer(store)
+    orphans = sweep_orphans()
+    if orphans:
+        log.warning("unlinked %d shared-memory segments no process maps (a killed cachestore's): %s",
+                    len(orphans), ", ".join(orphans))
 
     async def stop() -> None:
         servicer.stop()

@@ -119,3 +119,25 @@ def test_a_tenant_that_would_forge_a_log_line_is_refused(client):
     expect(lambda: register(client, tenant="rg\n2026-01-01 INFO forged"), grpc.StatusCode.INVALID_ARGUMENT, "tenant:")
     expect(lambda: client.stub.Release(pb.ReleaseRequest(tenant="a b", job_id="j"), timeout=5),
            grpc.StatusCode.INVALID_ARGUMENT, "tenant:")
+
+
+def test_a_segment_nobody_maps_is_swept_when_a_cachestore_starts(tmp_path):
+    """What a cachestore SIGKILLed while the job's executor was dead too leaves: a file no
+    process maps. The next cachestore unlinks it; mapped (live) segments stay."""
+    import os
+    from cachestore.segment import SHM_DIR, sweep_orphans
+    orphan = SHM_DIR / "kvplan-rg-orphan-000000000000"
+    orphan.write_bytes(b"\0" * 64)
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))
+    s = Server()
+    c = CachestoreClient(f"127.0.0.1:{s.port}", timeout_s=5)
+    try:
+        live = c.open("rg", "live", 1, H, D, torch.float16, CAP, K)
+        os.utime(live.seg.path, (time.time() - 3600, time.time() - 3600))
+        assert not orphan.exists()                                     # swept by the new cachestore
+        assert live.seg.name not in sweep_orphans(min_age_s=1800) and live.seg.path.exists()   # mapped: kept
+        live.release()
+    finally:
+        orphan.unlink(missing_ok=True)
+        c.close()
+        s.stop()
