@@ -1,4 +1,4 @@
-# kvplan: one image for the planner, executor and cachestore (`kvplan serve <name>`).
+# kvplan: one image for the planner, executor, cachestore and HTTP API (`kvplan serve <name>`).
 # The model is converted at build time, so containers start warm and never fetch anything.
 FROM python:3.11-slim
 
@@ -28,7 +28,8 @@ RUN pip install . \
 USER kvplan
 RUN kvplan prepare-model
 
-# gRPC: planner 50051, executor 50052, cachestore 50053; Prometheus metrics: 9151-9153.
-EXPOSE 50051 50052 50053 9151 9152 9153
+# gRPC: planner 50051, executor 50052, cachestore 50053; Prometheus metrics: 9151-9153;
+# the OpenAI-compatible HTTP API (and its /metrics): 8000.
+EXPOSE 50051 50052 50053 9151 9152 9153 8000
 
 CMD ["kvplan", "--help"]

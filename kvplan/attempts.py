@@ -22,6 +22,11 @@ class AttemptText:
         self.shown = ""          # what the reader has seen (across attempts)
         self.text = ""           # the current attempt's text so far
 
+    def replay(self) -> None:
+        """The job's events start again from its first (a client re-attached with WatchJob):
+        rebuild every attempt's text, showing only what passes the shown text."""
+        self.attempt, self.text = 0, ""
+
     def feed(self, attempt: int, delta: str) -> str:
         """Add one delta of `attempt`; -> the part to show now (maybe empty)."""
         if attempt > self.attempt:

@@ -218,12 +218,5 @@ def member_health(m: Member) -> str:
     """A member's health: grpc.health.v1 for the gRPC services, GET /health for the HTTP API."""
     if m.name != "http":
         return check_health(m.address)
-    import urllib.error
-    import urllib.request
-    try:
-        with urllib.request.urlopen(f"http://{m.address}/health", timeout=2) as r:
-            return "SERVING" if r.status == 200 else "NOT_SERVING"
-    except urllib.error.HTTPError:
-        return "NOT_SERVING"
-    except OSError:
-        return "DOWN"
+    from kvplan.healthcheck import http_health
+    return http_health(m.address)

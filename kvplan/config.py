@@ -120,6 +120,8 @@ class PlannerConfig(ServiceConfig):
     metrics_port: int = _env("KVPLAN_PLANNER_METRICS_PORT", 9151)
     redis_url: str = _env("KVPLAN_REDIS_URL", "", "Redis for the shared strategy registry; empty: in process")
     default_strategy: str = _env("KVPLAN_DEFAULT_STRATEGY", "full", "strategy used when a job names none")
+    warm_probe: bool = _env("KVPLAN_PLANNER_WARM_PROBE", True,
+                            "load the probe model at start, not inside the first probing job's Plan deadline")
     profile_sample: float = _env("KVPLAN_PROFILE_SAMPLE", 0.1,
                                  "share of a profile's jobs a probing strategy probes (1: every job)")
     max_tokens: int = _env("KVPLAN_PLANNER_MAX_TOKENS", 131072,
@@ -148,8 +150,9 @@ class ExecutorConfig(ServiceConfig):
     redis_url: str = _env("KVPLAN_REDIS_URL", "", "Redis Stream job queue; empty: in-process queue")
     executor_id: str = _env("KVPLAN_EXECUTOR_ID", "", "consumer name in the job group; empty: host-pid")
     plan_deadline_s: float = _env("KVPLAN_PLAN_DEADLINE_S", 10.0, "deadline of a Plan call")
-    plan_deadline_per_1k_s: float = _env("KVPLAN_PLAN_DEADLINE_PER_1K_S", 10.0,
-                                         "added to a Plan call's deadline per 1000 prompt tokens (probes prefill them)")
+    plan_deadline_per_1k_s: float = _env("KVPLAN_PLAN_DEADLINE_PER_1K_S", 30.0,
+                                         "added to a Plan call's deadline per 1000 prompt tokens (a probe prefills "
+                                         "them, on a busy CPU in several times a quiet one's time)")
     default_max_new_tokens: int = _env("KVPLAN_DEFAULT_MAX_NEW_TOKENS", 128)
     prefill_chunk: int = _env("KVPLAN_PREFILL_CHUNK", 512, "prompt tokens per prefill step (progress granularity)")
     job_ttl_s: int = _env("KVPLAN_JOB_TTL_S", 86400, "how long finished jobs are kept")

@@ -24,9 +24,9 @@ from contextlib import asynccontextmanager
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import Counter, Gauge, Histogram, make_asgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 from kvplan import openai_api as api
 from kvplan.attempts import AttemptText, Diverged
@@ -216,7 +216,6 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
 
     app = FastAPI(title="kvplan", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
-    app.mount("/metrics", make_asgi_app())
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -242,6 +241,10 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
         param = ".".join(loc) or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return JSONResponse(api.ApiError(400, message, param=param, code="invalid_value").body(), status_code=400)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():

@@ -1,8 +1,9 @@
-"""Container health check: `python -m kvplan.healthcheck HOST:PORT [--service NAME]`.
+"""Container health check: `python -m kvplan.healthcheck HOST:PORT [--service NAME | --http]`.
 
-Asks `grpc.health.v1` at HOST:PORT once; exits 0 if it answers SERVING, 1 otherwise: NOT_SERVING
-while a service warms up, DOWN when nothing answers, or a bad argument (never 2, which Docker
-reserves). Used by the healthchecks in docker-compose.yml.
+Asks `grpc.health.v1` at HOST:PORT once (with --http: the HTTP API's GET /health, which is 200
+when its executor is SERVING); exits 0 if it answers SERVING, 1 otherwise: NOT_SERVING while a
+service warms up, DOWN when nothing answers, or a bad argument (never 2, which Docker reserves).
+Used by the healthchecks in docker-compose.yml.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("address", help="HOST:PORT of a kvplan gRPC service")
     p.add_argument("--service", default="", help="health service name, e.g. kvplan.v1.Executor; default: the server as a whole")
     p.add_argument("--timeout", type=float, default=2.0, help="deadline of the Check call in seconds (default 2)")
+    p.add_argument("--http", action="store_true", help="HOST:PORT is the HTTP API: GET /health")
     args = p.parse_args(argv)
     host, sep, port = args.address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -35,7 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    status = check_health(args.address, timeout_s=args.timeout, service=args.service)
+    if args.http:
+        status = http_health(args.address, args.timeout)
+    else:
+        status = check_health(args.address, timeout_s=args.timeout, service=args.service)
     what = f"{args.address}" + (f" ({args.service})" if args.service else "")
     if status == "SERVING":
         print(f"{what}: SERVING")
@@ -46,6 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{what}: {status}", file=sys.stderr)
     return 1
+
+
+def http_health(address: str, timeout_s: float = 2.0) -> str:
+    """The HTTP API's health: "SERVING" (200), "NOT_SERVING" (another status: its executor is not
+    SERVING), or "DOWN" (no answer)."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as r:
+            return "SERVING" if r.status == 200 else "NOT_SERVING"
+    except urllib.error.HTTPError:
+        return "NOT_SERVING"
+    except OSError:
+        return "DOWN"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+REPLAY = pb.JobEvent()          # _events' marker: the job's events start again (a re-attach)
 
 
 class JobFailed(RuntimeError):
@@ -96,6 +97,9 @@ class Streaming:
         text = AttemptText()
         job_id = ""
         for ev in self._client._events(self._req):
+            if ev is REPLAY:
+                text.replay()
+                continue
             job_id = ev.job_id
             kind = ev.WhichOneof("kind")
             if kind == "delta":
@@ -172,6 +176,7 @@ class Client:
                 tries += 1
                 time.sleep(min(10.0, 0.5 * 2 ** tries))
                 call = self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=self.timeout_s, metadata=self._metadata)
+                yield REPLAY
 
     def cancel(self, job_id: str) -> None:
         self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30, metadata=self._metadata)

@@ -246,10 +246,14 @@ def build_service(cfg: PlannerConfig, prober=None) -> Service:
     async def warmup():
         active = await servicer.active.get()   # reach Redis before reporting SERVING
         strategy = STRATEGIES.get(active)
-        if strategy is not None and strategy.probe_mode is not None:
-            # the default strategy probes: load the model now, not inside the first job's deadline
-            await asyncio.to_thread(servicer.prober.model)
-            log.info("probe model loaded (default strategy %s probes)", active)
+        if cfg.warm_probe or (strategy is not None and strategy.probe_mode is not None):
+            # probing strategies (`auto` plans every job that asks a budget under the `full` default):
+            # load the model now, not inside the first probing job's Plan deadline (a prober
+            # given ready-made has nothing to load)
+            load = getattr(servicer.prober, "model", None)
+            if load is not None:
+                await asyncio.to_thread(load)
+            log.info("probe model loaded")
 
     return Service(
         name="planner", full_names=["kvplan.v1.Planner"],

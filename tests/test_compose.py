@@ -24,12 +24,13 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-SERVICES = {"redis", "planner", "cachestore", "executor"}
+SERVICES = {"redis", "planner", "cachestore", "executor", "http"}
 # The configs each kvplan service reads: its env may name only their fields.
 SERVICE_CONFIGS = {
     "planner": (kc.PlannerConfig, kc.ModelConfig),
     "executor": (kc.ExecutorConfig, kc.ModelConfig),
     "cachestore": (kc.CachestoreConfig,),
+    "http": (kc.HttpConfig, kc.ModelConfig),
 }
 REDIS_PORT = 6379
 ENV_NAME = re.compile(r"\bKVPLAN_[A-Z0-9_]+\b")
@@ -214,7 +215,9 @@ def check_ports(doc: dict) -> list[str]:
         host = configured(svc_name, svc, "host")
         if host not in ("0.0.0.0", "::"):
             problems.append(f"{svc_name} listens on {host}: unreachable from other containers")
-        port, metrics = service_port(svc_name, svc), int(configured(svc_name, svc, "metrics_port"))
+        port = service_port(svc_name, svc)
+        # the HTTP API serves its metrics on its own port (/metrics)
+        metrics = port if svc_name == "http" else int(configured(svc_name, svc, "metrics_port"))
         container_ports = {p for spec in svc.get("ports", []) for p in parse_port(spec)[1]}
         exposed = container_ports | {int(e.split("/")[0]) for e in svc.get("expose", [])}
         if port not in exposed:
@@ -225,6 +228,8 @@ def check_ports(doc: dict) -> list[str]:
         targets = [w for w in words if re.fullmatch(r"[\w.\-]+:\d+", w)]
         if "kvplan.healthcheck" not in words or targets != [f"127.0.0.1:{port}"] and targets != [f"localhost:{port}"]:
             problems.append(f"{svc_name} healthcheck {words} is not kvplan.healthcheck on its own port {port}")
+        if (svc_name == "http") != ("--http" in words):
+            problems.append(f"{svc_name} healthcheck {words}: --http is for the HTTP API (GET /health), and only for it")
     return problems
 
 
@@ -385,8 +390,8 @@ def check_dockerfile(text: str) -> list[str]:
     if prepare is not None and (user_at is None or user_at > prepare):
         problems.append("converts the model as root: the service user could not write its cache dir")
     exposed = {int(p.split("/")[0]) for w, a in instrs if w == "EXPOSE" for p in a.split()}
-    for cls in (kc.PlannerConfig, kc.ExecutorConfig, kc.CachestoreConfig):
-        for port in (cls().port, cls().metrics_port):
+    for cls in (kc.PlannerConfig, kc.ExecutorConfig, kc.CachestoreConfig, kc.HttpConfig):
+        for port in {cls().port, getattr(cls(), "metrics_port", cls().port)}:
             if port not in exposed:
                 problems.append(f"does not EXPOSE {cls.__name__} port {port}")
     for name in sorted(set(ENV_NAME.findall(text)) - all_env_names()):
@@ -504,6 +509,14 @@ COMPOSE_MUTATIONS = {
                                 "host port 50053 is published by both cachestore and executor"),
     "wrong command": (lambda d: d["services"]["executor"].__setitem__("command", ["kvplan", "serve", "planner"]),
                       "executor command"),
+    "http api on another executor port": (lambda d: _set_env(d["services"]["http"], "KVPLAN_EXECUTOR_ADDR", "executor:1"),
+                                          "http: KVPLAN_EXECUTOR_ADDR=executor:1, expected executor:50052"),
+    "http api without its executor": (lambda d: d["services"]["http"].pop("depends_on"),
+                                      "http talks to executor but does not depend on it"),
+    "http healthcheck without --http": (lambda d: d["services"]["http"]["healthcheck"]["test"].remove("--http"),
+                                        "--http is for the HTTP API"),
+    "http healthcheck on grpc": (lambda d: d["services"]["http"]["healthcheck"].__setitem__(
+        "test", ["CMD", "python", "-m", "kvplan.healthcheck", "127.0.0.1:50052"]), "http healthcheck"),
     "grace longer than docker waits": (lambda d: d["services"]["planner"].__setitem__("stop_grace_period", "10s"),
                                        "stop_grace_period 10s <= KVPLAN_GRACE_S"),
 }
@@ -560,6 +573,7 @@ DOCKERFILE_MUTATIONS = {
                   "KVPLAN_CACHE_DIR"),
     "wrong env name": (lambda t: t + "ENV KVPLAN_CACHEDIR=/x\n", "KVPLAN_CACHEDIR is not"),
     "missing expose": (lambda t: _replace(t, " 50053 ", " "), "does not EXPOSE CachestoreConfig port 50053"),
+    "http port not exposed": (lambda t: _replace(t, " 8000\n", "\n"), "does not EXPOSE HttpConfig port 8000"),
     "base image": (lambda t: _replace(t, "python:3.11-slim", "python:3.12"), "python:3.11-slim"),
 }
 

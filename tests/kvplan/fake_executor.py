@@ -8,6 +8,7 @@ import asyncio
 import threading
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
@@ -76,6 +77,9 @@ class FakeExecutor:
         async def start():
             server = grpc.aio.server()
             executor_pb2_grpc.add_ExecutorServicer_to_server(self.script, server)
+            self.health = health.aio.HealthServicer()
+            await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             return server, port
@@ -83,6 +87,10 @@ class FakeExecutor:
         self._server, port = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
         self.address = f"127.0.0.1:{port}"
         return self
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        asyncio.run_coroutine_threadsafe(self.health.set("", status), self._loop).result(10)
 
     def __exit__(self, *exc) -> None:
         asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(10)

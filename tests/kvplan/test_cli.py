@@ -58,7 +58,7 @@ def planner_up(monkeypatch, tmp_path):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url="")
+    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url="", warm_probe=False)
     svc = build_service(cfg)
     server, port = asyncio.run_coroutine_threadsafe(serving.start(svc, cfg, with_metrics=False), loop).result(10)
     monkeypatch.setenv("KVPLAN_PLANNER_ADDR", f"127.0.0.1:{port}")

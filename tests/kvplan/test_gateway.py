@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 
 import grpc
@@ -193,6 +194,17 @@ def test_a_failed_job_mid_stream_is_an_error_event(fake):
 def test_metrics_count_requests(fake):
     fake.script.events = events((1, ["ok"]), result=result("ok"))
     httpx.post(f"{fake.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
-    text = httpx.get(f"{fake.url}/metrics/").text
+    text = httpx.get(f"{fake.url}/metrics").text
     assert 'kvplan_http_requests_total{route="/v1/completions",status="200"}' in text
     assert "kvplan_http_request_seconds_bucket" in text
+
+
+def test_health_follows_the_executor_and_the_container_healthcheck_reads_it(fake):
+    hostport = fake.url.removeprefix("http://")
+    check = lambda: subprocess.run([sys.executable, "-m", "kvplan.healthcheck", "--http", hostport],  # noqa: E731
+                                   capture_output=True, text=True, timeout=60)
+    assert httpx.get(f"{fake.url}/health").status_code == 200 and check().returncode == 0
+    fake.set_serving(False)
+    assert httpx.get(f"{fake.url}/health").status_code == 503
+    got = check()
+    assert got.returncode == 1 and "NOT_SERVING" in got.stderr

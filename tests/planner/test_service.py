@@ -22,7 +22,8 @@ eviction: {scorer: snapkv, pool_kernel: 5}
 
 
 async def _planner(redis_url: str = "", prober=None, **overrides):
-    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url=redis_url, **overrides)
+    cfg = dataclasses.replace(from_env(PlannerConfig, {}), port=0, redis_url=redis_url,
+                              **{"warm_probe": False, **overrides})
     svc = build_service(cfg, prober)
     server, port = await serving.start(svc, cfg, with_metrics=False)
     assert await serving.wait_serving(f"127.0.0.1:{port}", 10)
