@@ -42,3 +42,20 @@ def niah_grid(rows: list[dict], strategy: str, ratio: float, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def throughput_by_budget(runs: list[dict], out: Path) -> Path:
+    """Decode tokens/s against the KV budget, a line per strategy (`bench.serve` runs)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for strategy in dict.fromkeys(r["strategy"] for r in runs):
+        pts = sorted((r["kv_budget_bytes"] / 2**20, r["decode_tps"]) for r in runs if r["strategy"] == strategy)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=strategy)
+    ax.set_xlabel("executor KV budget (MiB)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Decode throughput under one KV budget")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -22,6 +22,10 @@ TPOT = Histogram("kvplan_executor_tpot_seconds", "decode time per output token, 
 ITL = Histogram("kvplan_executor_itl_seconds", "gap between consecutive tokens of a job", buckets=_SECONDS)
 QUEUE = Histogram("kvplan_executor_queue_seconds", "planned -> admitted (waiting for KV budget room)",
                   buckets=_SECONDS)
+STEPS = Counter("kvplan_executor_steps_total", "engine steps, by kind (decode | mixed | prefill)", ["kind"])
+STEP_SECONDS = Counter("kvplan_executor_step_seconds_total", "time in engine steps, by kind", ["kind"])
+STEP_TOKENS = Counter("kvplan_executor_step_tokens_total", "tokens generated in engine steps, by kind", ["kind"])
+MOST_RUNNING = Gauge("kvplan_executor_decoding_sequences_peak", "most sequences that decoded in one step")
 PREFILL_S = Histogram("kvplan_executor_prefill_seconds", "prefill time per job", buckets=_SECONDS)
 
 
@@ -34,6 +38,12 @@ def observe_usage(engine) -> None:
     KV_RESERVED.set(usage.reserved)
     KV_BUDGET.set(usage.budget)
     KV_PEAK.set(engine.budget.peak_measured)
+    kind, seconds, tokens = engine.stats.last
+    if kind:
+        STEPS.labels(kind).inc()
+        STEP_SECONDS.labels(kind).inc(seconds)
+        STEP_TOKENS.labels(kind).inc(tokens)
+    MOST_RUNNING.set(engine.stats.most_running)
 
 
 def observe_finished(run, result) -> None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -27,6 +30,27 @@ from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan
 
 log = logging.getLogger("kvplan.executor.engine")
+
+
+@dataclass
+class StepStats:
+    """What the steps did, by kind ("decode": only decode rows; "mixed": decodes beside a
+    prefill part; "prefill": prefill parts only): steps, seconds, tokens generated. Decode
+    throughput is the tokens of the steps in which sequences decode over their seconds."""
+    steps: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)
+    tokens: Counter = field(default_factory=Counter)
+    most_running: int = 0
+    last: tuple[str, float, int] = ("", 0.0, 0)      # the last step's (kind, seconds, tokens)
+
+    def add(self, segments, tokens: int, seconds: float) -> None:
+        decodes = sum(1 for seg in segments if seg.decode)
+        kind = "prefill" if not decodes else "decode" if decodes == len(segments) else "mixed"
+        self.steps[kind] += 1
+        self.seconds[kind] += seconds
+        self.tokens[kind] += tokens
+        self.most_running = max(self.most_running, decodes)
+        self.last = (kind, seconds, tokens)
 
 
 def stop_ids(lm: LoadedModel) -> set[int]:
@@ -49,6 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm))
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self.usage = Usage(0, 0, budget.total)
+        self.stats = StepStats()
 
     # -- sequences ------------------------------------------------------------------------------
     def fit(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling, ratio: float | None) -> CompressionPlan:
@@ -112,9 +137,14 @@ class LLMEngine:
         """One step of every admitted sequence -> those that finished in it."""
         while not self.inbox.empty():
             self.scheduler.add(self.inbox.get())
+        t0, self.stats.last = time.perf_counter(), ("", 0.0, 0)
         segments = self.scheduler.schedule()
         outputs = self.runner.run(segments) if segments else []
+        before = sum(len(seg.seq.generated) for seg in segments)
         finished = self.scheduler.postprocess(segments, outputs)
+        if segments:
+            self.stats.add(segments, sum(len(seg.seq.generated) for seg in segments) - before,
+                           time.perf_counter() - t0)
         for seq in finished:
             if seq.own_store:
                 seq.store.release()

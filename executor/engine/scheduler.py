@@ -26,13 +26,15 @@ log = logging.getLogger("kvplan.executor.engine")
 @dataclass(frozen=True)
 class Segment:
     """One sequence's rows in a step: `ids` fed from position `start` under cache `phase`; the
-    logits of its last `keep` rows come back; `sample`: the step samples its next token."""
+    logits of its last `keep` rows come back; `sample`: the step samples its next token;
+    `decode`: decode rows (else a prefill part)."""
     seq: Sequence
     ids: tuple[int, ...]
     start: int
     phase: str
     keep: int
     sample: bool
+    decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class Scheduler:
         for seq in self.running:
             if seq.status is Status.DECODE:
                 ids, phase = seq.decode_rows()
-                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase != "predecode"))
+                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase != "predecode", True))
                 rows += len(ids)
         for seq in self.running:
             if seq.status is not Status.PREFILL:

@@ -1,0 +1,221 @@
+"""Serving under one KV budget: many jobs at once through the real services, per strategy.
+
+    python -m bench.serve [--strategies full auto specache snapkv spindlekv] [--ratio 0.2]
+                          [--requests 20] [--lengths 3500] [--new-tokens 256]
+                          [--budget-jobs 4 | --kv-budget-bytes N] [--rate R] [--scenario throughput|itl]
+                          [--out bench/results/serve]
+
+For each KV budget and strategy a fresh planner, cachestore and executor (processes, the
+executor's KV budget set) serve N requests drawn deterministically from the quality bench's
+needle and multi-key cases (query in the prompt), sent at once or as a Poisson process.
+`--budget-jobs K` sets the budget to what K full-KV jobs of the longest length reserve.
+
+Reported per strategy: decode tokens/s (generated tokens over the time of the steps in which
+sequences decode and none prefills; with the steps beside a prefill chunk too), end-to-end
+output tokens/s and requests/s (prefill included), TTFT / TPOT / ITL / end-to-end p50, p90,
+p99, peak measured KV bytes against the budget, most sequences decoding at once, answers
+correct, and the measured reserve ratio. Ratios against `full` are taken in the same run.
+
+`--scenario itl`: `--requests` jobs decode; one prompt of `--long` tokens arrives once they
+all decode; their inter-token gaps while it prefills are reported against one prefill chunk
+alone plus one decode step, both measured by the engine in the same run.
+
+Writes <out>/serve.json (and the budget plot), prints markdown tables."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from bench import load
+from bench.stack import Stack, metric
+from kvcore import plan_cost
+from kvplan import model as models
+from kvplan.config import ModelConfig, from_env
+from kvplan.plan import full_plan
+from planner.strategies import STRATEGIES
+
+OUT = Path(__file__).parent / "results" / "serve"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(x for x in xs if not math.isnan(x))
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+
+
+def full_job_bytes(cfg: dict, context: int, new_tokens: int) -> int:
+    """What one full-KV job of `context` prompt tokens and `new_tokens` reserves (`kvcore.plan_cost`)."""
+    return plan_cost.plan_bytes(full_plan(cfg["layers"], "sizing"), cfg["kv_heads"], cfg["q_heads"], cfg["head_dim"],
+                                context, 0, new_tokens, 2, cfg["chunk"])
+
+
+def summarize(sent: list[load.Sent], before: dict, after: dict, budget: int) -> dict:
+    ok = [s for s in sent if s.result is not None]
+    d = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)      # noqa: E731
+    dec_s, dec_t = d("kvplan_executor_step_seconds_total", kind="decode"), d("kvplan_executor_step_tokens_total", kind="decode")
+    mix_s, mix_t = d("kvplan_executor_step_seconds_total", kind="mixed"), d("kvplan_executor_step_tokens_total", kind="mixed")
+    start, end = min(s.t_submit for s in sent), max(s.t_done for s in sent)
+    tokens = sum(r.result.generated_tokens for r in ok)
+    return dict(
+        requests=len(sent), done=len(ok), errors=[s.error for s in sent if s.error][:5],
+        correct=sum(s.correct for s in sent),
+        decode_tps=dec_t / dec_s if dec_s else float("nan"),
+        decode_mixed_tps=(dec_t + mix_t) / (dec_s + mix_s) if dec_s + mix_s else float("nan"),
+        output_tps=tokens / (end - start), requests_ps=len(ok) / (end - start), makespan_s=end - start,
+        generated=tokens,
+        ttft=[pct([s.ttft_s for s in sent], q) for q in (50, 90, 99)],
+        tpot=[pct([s.tpot_s for s in sent], q) for q in (50, 90, 99)],
+        itl=[pct([g for s in sent for g in s.itl_s], q) for q in (50, 90, 99)],
+        e2e=[pct([s.t_done - s.t_submit for s in ok], q) for q in (50, 90, 99)],
+        peak_kv_bytes=metric(after, "kvplan_executor_kv_peak_bytes"), kv_budget_bytes=budget,
+        most_decoding=metric(after, "kvplan_executor_decoding_sequences_peak"),
+        measured_ratio=sum(r.result.reserve_ratio for r in ok) / len(ok) if ok else float("nan"),
+        decode_step_s=dec_s / d("kvplan_executor_steps_total", kind="decode") if dec_s else float("nan"),
+        prefill_step_s=(d("kvplan_executor_step_seconds_total", kind="prefill")
+                        / max(1.0, d("kvplan_executor_steps_total", kind="prefill"))),
+    )
+
+
+def serve_once(args, strategy: str, budget: int, items: list[load.Item], tag: str) -> tuple[dict, list[load.Sent]]:
+    env = {"KVPLAN_KV_BUDGET_BYTES": str(budget), "KVPLAN_MAX_BATCHED_TOKENS": str(args.max_batched_tokens),
+           "KVPLAN_PREFILL_CHUNK": str(args.max_batched_tokens), "KVPLAN_MAX_SEQS": str(args.max_seqs),
+           "KVPLAN_DEFAULT_MAX_NEW_TOKENS": str(args.new_tokens)}
+    with Stack(env, args.out / "logs" / tag) as stack:
+        warm = load.Item(items[0].case, strategy, items[0].ratio, 2, 0.0)
+        load.run(stack.executor_addr, [warm])                     # the first job's one-off costs, not timed
+        before = stack.metrics()
+        sent = load.run(stack.executor_addr, items)
+        time.sleep(1.5)                                           # the last step's metrics
+        after = stack.metrics()
+    return summarize(sent, before, after, budget), sent
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strategies", nargs="+", default=["full", "auto", "specache", "snapkv", "spindlekv"])
+    ap.add_argument("--ratio", type=float, default=0.2)
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[3500])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--budget-jobs", type=float, nargs="+", default=[4.0])
+    ap.add_argument("--kv-budget-bytes", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
+    ap.add_argument("--scenario", choices=("throughput", "itl"), default="throughput")
+    ap.add_argument("--long", type=int, default=4000, help="itl scenario: the arriving prompt's tokens")
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    if unknown:
+        ap.error(f"unknown strategies {unknown}; known: {sorted(STRATEGIES)}")
+    if args.requests < 1 or args.new_tokens < 1 or not args.lengths:
+        ap.error("--requests and --new-tokens must be >= 1")
+
+    mcfg = from_env(ModelConfig)
+    tok = AutoTokenizer.from_pretrained(models.prepare(mcfg))
+    shape = _shape(mcfg, args.max_batched_tokens)
+    cases = load.cases(tok, args.requests, args.lengths)
+    if args.scenario == "itl":
+        return _itl(args, shape, tok, cases)
+    budgets = [args.kv_budget_bytes] if args.kv_budget_bytes else [
+        int(k * full_job_bytes(shape, max(args.lengths) + 64, args.new_tokens)) for k in args.budget_jobs]
+    arrive = load.arrivals(args.requests, args.rate)
+    runs = []
+    for budget in budgets:
+        for strategy in args.strategies:
+            ratio = None if strategy == "full" else args.ratio
+            items = [load.Item(c, strategy, ratio, args.new_tokens, t) for c, t in zip(cases, arrive)]
+            print(f"[serve] {strategy} at {ratio or 1.0} under {budget / 2**20:.0f} MiB ...", flush=True)
+            summary, sent = serve_once(args, strategy, budget, items, f"{strategy}-{budget}")
+            runs.append(dict(strategy=strategy, ratio=ratio or 1.0, **summary,
+                             cases=[dict(id=s.item.case.id, correct=s.correct, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
+                                         tokens=len(s.t_tokens), reserve_ratio=s.result.reserve_ratio if s.result else None,
+                                         error=s.error) for s in sent]))
+            print(_row(runs[-1], runs), flush=True)
+    out = dict(bench="serve", machine=platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
+               requests=args.requests, lengths=args.lengths, new_tokens=args.new_tokens, rate=args.rate,
+               max_batched_tokens=args.max_batched_tokens, runs=runs, when=time.strftime("%Y-%m-%d %H:%M"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve.json").write_text(json.dumps(out, indent=1))
+    print("\n" + _table(runs))
+    if len(budgets) > 1:
+        from bench.plots import throughput_by_budget
+        print(f"plot: {throughput_by_budget(runs, args.out / 'throughput_by_budget.png')}")
+
+
+def _shape(mcfg: ModelConfig, chunk: int) -> dict:
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(models.prepare(mcfg))
+    heads = c.num_attention_heads
+    return dict(layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads, q_heads=heads,
+                head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, chunk=chunk)
+
+
+HEADER = ("| strategy | ratio | budget MiB | decode tok/s | × full | +mixed tok/s | × full | out tok/s | req/s | "
+          "TTFT p50/p99 s | TPOT p50/p99 s | ITL p99 s | e2e p99 s | peak KV / budget | most decoding | correct | measured |")
+
+
+def _row(r: dict, runs: list[dict]) -> str:
+    base = next((x for x in runs if x["strategy"] == "full" and x["kv_budget_bytes"] == r["kv_budget_bytes"]), None)
+    x = lambda k: f"{r[k] / base[k]:.2f}×" if base else "—"                    # noqa: E731
+    return (f"| {r['strategy']} | {r['ratio']:g} | {r['kv_budget_bytes'] / 2**20:.0f} | {r['decode_tps']:.1f} | "
+            f"{x('decode_tps')} | {r['decode_mixed_tps']:.1f} | {x('decode_mixed_tps')} | {r['output_tps']:.2f} | "
+            f"{r['requests_ps']:.3f} | {r['ttft'][0]:.1f}/{r['ttft'][2]:.1f} | {r['tpot'][0]:.2f}/{r['tpot'][2]:.2f} | "
+            f"{r['itl'][2]:.2f} | {r['e2e'][2]:.0f} | {r['peak_kv_bytes'] / r['kv_budget_bytes']:.3f} | "
+            f"{r['most_decoding']:.0f} | {r['correct']}/{r['requests']} | {r['measured_ratio']:.3f} |")
+
+
+def _table(runs: list[dict]) -> str:
+    sep = "|" + "|".join(["---"] * (HEADER.count("|") - 1)) + "|"
+    return "\n".join([HEADER, sep] + [_row(r, runs) for r in runs])
+
+
+def _itl(args, shape: dict, tok, cases) -> None:
+    """Jobs decoding, then one long prompt: their gaps while it prefills vs a chunk + a step."""
+    budget = args.kv_budget_bytes or 1 << 40
+    long_case = load.cases(tok, 1, [args.long])[0]
+    items = [load.Item(c, "full", None, args.new_tokens, 0.0) for c in cases]
+    env = {"KVPLAN_KV_BUDGET_BYTES": str(budget), "KVPLAN_MAX_BATCHED_TOKENS": str(args.max_batched_tokens),
+           "KVPLAN_PREFILL_CHUNK": str(args.max_batched_tokens), "KVPLAN_MAX_SEQS": str(args.max_seqs)}
+    with Stack(env, args.out / "logs" / "itl") as stack:
+        load.run(stack.executor_addr, [load.Item(cases[0], "full", None, 2, 0.0)])
+        before = stack.metrics()
+        box: dict = {}
+        bg = threading.Thread(target=lambda: box.setdefault("bg", load.run(stack.executor_addr, items)))
+        bg.start()
+        while metric(stack.metrics(), "kvplan_executor_running_sequences") < len(items) or \
+                metric(stack.metrics(), "kvplan_executor_steps_total", kind="decode") - \
+                metric(before, "kvplan_executor_steps_total", kind="decode") < 2:
+            time.sleep(0.2)
+        t_long = time.perf_counter()
+        long = load.run(stack.executor_addr, [load.Item(long_case, "full", None, 4, 0.0)])[0]
+        bg.join()
+        after = stack.metrics()
+    window = (t_long, long.t_tokens[0] if long.t_tokens else long.t_done)
+    gaps = [b - a for s in box["bg"] for a, b in zip(s.t_tokens, s.t_tokens[1:]) if window[0] <= b <= window[1]]
+    s = summarize(box["bg"], before, after, budget)
+    bound = s["prefill_step_s"] + s["decode_step_s"]
+    res = dict(scenario="itl", jobs=len(items), long_tokens=long.result.prompt_tokens if long.result else None,
+               gaps=len(gaps), itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99), itl_max=max(gaps, default=float("nan")),
+               chunk_step_s=s["prefill_step_s"], decode_step_s=s["decode_step_s"], bound_s=bound,
+               max_batched_tokens=args.max_batched_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "itl.json").write_text(json.dumps(res, indent=1))
+    print("| jobs decoding | arriving prompt | gaps while it prefills | ITL p50 s | ITL p99 s | max s | "
+          "one chunk alone s | one decode step s | bound s | p99 within |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    print(f"| {res['jobs']} | {res['long_tokens']} | {res['gaps']} | {res['itl_p50']:.2f} | {res['itl_p99']:.2f} | "
+          f"{res['itl_max']:.2f} | {res['chunk_step_s']:.2f} | {res['decode_step_s']:.2f} | {bound:.2f} | "
+          f"{'yes' if res['itl_p99'] <= bound else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()
