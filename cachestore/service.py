@@ -105,7 +105,7 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
             if request.top_k < 1:
                 raise ValueError(f"top_k: must be >= 1, got {request.top_k}")
             idx = torch.from_numpy(np.asarray(request.token_indices, dtype=np.int64))
-            if idx.numel() % request.top_k:
+            if not idx.numel() or idx.numel() % request.top_k:
                 raise ValueError(f"token_indices: {idx.numel()} values are not kv_heads x top_k={request.top_k}")
             idx = idx.view(-1, request.top_k)                                            # [H, k]
             seg = self.segments.get(job)
