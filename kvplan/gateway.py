@@ -16,6 +16,7 @@ away cancels its job. Request and response bodies: `kvplan.openai_api`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 
 from kvplan import openai_api as api
 from kvplan.attempts import AttemptText, Diverged
-from kvplan.config import HttpConfig, ModelConfig, from_env
+from kvplan.channels import aio_channel
+from kvplan.config import HttpConfig, ModelConfig, SecurityConfig, from_env
 from kvplan.serving import SECONDS_BUCKETS, channel_options
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
@@ -82,7 +84,10 @@ class Gateway:
         self._cancels: set[asyncio.Task] = set()
 
     async def open(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.cfg.executor_addr, options=channel_options())
+        # TLS as the process is configured; never this process's own API key: each request acts
+        # with its client's key (its Authorization header), or with none
+        sec = dataclasses.replace(from_env(SecurityConfig), api_key="")
+        self.channel = aio_channel(self.cfg.executor_addr, options=channel_options(), sec=sec)
         self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
 
     async def close(self) -> None:

@@ -117,13 +117,18 @@ class Client:
     def __init__(self, address: str | None = None, api_key: str | None = None, timeout_s: float = 3600.0,
                  reattach: int = 5):
         """address: an executor's HOST:PORT (default KVPLAN_EXECUTOR_ADDR, or 127.0.0.1:50052);
-        api_key: sent as `authorization: Bearer <key>`; reattach: how many times a broken stream
+        api_key: sent as `authorization: Bearer <key>` (default KVPLAN_API_KEY); TLS as
+        KVPLAN_TLS_* say (`kvplan.channels`); reattach: how many times a broken stream
         re-attaches to its job (with backoff) before the error is raised."""
-        from kvplan.config import ClientConfig, from_env
+        import dataclasses
+        from kvplan.channels import client_channel
+        from kvplan.config import ClientConfig, SecurityConfig, from_env
         self.address = address or from_env(ClientConfig).executor_addr
         self.timeout_s, self.reattach = timeout_s, reattach
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channel = grpc.insecure_channel(self.address, options=channel_options())
+        sec = from_env(SecurityConfig)
+        if api_key is not None:
+            sec = dataclasses.replace(sec, api_key=api_key)
+        self._channel = client_channel(self.address, options=channel_options(), sec=sec)
         self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
 
     def generate(self, prompt: str = "", **kw) -> Result:
@@ -150,7 +155,7 @@ class Client:
     def _events(self, req: pb.GenerateRequest) -> Iterator[pb.JobEvent]:
         """The job's events until its result; re-attaches to the job when the stream breaks."""
         job_id, tries = "", 0
-        call = self._stub.Generate(req, timeout=self.timeout_s, metadata=self._metadata)
+        call = self._stub.Generate(req, timeout=self.timeout_s)
         while True:
             try:
                 for ev in call:
@@ -175,11 +180,11 @@ class Client:
                     raise
                 tries += 1
                 time.sleep(min(10.0, 0.5 * 2 ** tries))
-                call = self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=self.timeout_s, metadata=self._metadata)
+                call = self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=self.timeout_s)
                 yield REPLAY
 
     def cancel(self, job_id: str) -> None:
-        self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30, metadata=self._metadata)
+        self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30)
 
     def close(self) -> None:
         self._channel.close()

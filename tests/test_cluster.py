@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvcore import cost
 from kvplan.client import ExecutorClient, fold, request, Stream
 from kvplan.serving import check_health
 from protos import executor_pb2 as pb
@@ -111,23 +112,28 @@ def test_kvplan_up_generate_down(tmp_path, real_model_dir):
     for name in ("PLANNER", "CACHESTORE", "EXECUTOR"):
         env[f"KVPLAN_{name}_PORT"] = str(free_port())
         env[f"KVPLAN_{name}_METRICS_PORT"] = str(free_port())
+    env["KVPLAN_HTTP_PORT"] = str(free_port())
+    env["KVPLAN_AUTH"] = "on"              # as in production: `kvplan up` makes the keys, the CLI uses its admin key
     for k in ("KVPLAN_REDIS_URL", "KVPLAN_EXECUTOR_ADDR", "KVPLAN_PLANNER_ADDR", "KVPLAN_CACHESTORE_ADDR"):
         env.pop(k, None)
     up = _kvplan("up", env=env)
     assert up.returncode == 0, up.stderr
     try:
         members = json.loads((tmp_path / "state" / "cluster.json").read_text())["members"]
-        assert {m["name"] for m in members} == {"redis", "planner", "cachestore", "executor"}
+        assert {m["name"] for m in members} == {"redis", "planner", "cachestore", "executor", "http"}
         status = _kvplan("status", env=env)
-        assert status.returncode == 0 and status.stdout.count("SERVING") == 3, status.stdout
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 4, status.stdout
         gen = _kvplan("generate", "--json", "--max-new-tokens", "16", "What is the capital of France?", env=env)
         assert gen.returncode == 0, gen.stderr
         out = json.loads(gen.stdout)                       # exactly one JSON object on stdout
-        assert "Paris" in out["text"] and out["reserve_ratio"] == 1.0 and out["strategy"] == "full"
-        assert out["kv_bytes"] == out["full_kv_bytes"] == sum(x["kv_bytes"] for x in out["per_layer"]) > 0
+        assert "Paris" in out["text"] and out["strategy"] == "full" and out["budget_met"] is True
+        # full layers grow in chunks of ROW_CHUNK rows: the spare rows are held and counted
+        assert 1.0 <= out["reserve_ratio"] < 1.0 + cost.ROW_CHUNK / out["prompt_tokens"]
+        assert out["kv_bytes"] == sum(x["kv_bytes"] for x in out["per_layer"]) >= out["full_kv_bytes"] > 0
         assert out["executor_id"] != "" and "embedded" not in gen.stderr     # the cluster ran it
         bad = _kvplan("generate", "--ratio", "1.5", "hi", env=env)
-        assert bad.returncode == 2 and "budget.reserve_ratio" in bad.stderr
+        assert bad.returncode == 2 and "--ratio: must be in (0, 1]" in bad.stderr
+        _the_http_api_answers(f"127.0.0.1:{env['KVPLAN_HTTP_PORT']}", tmp_path / "state")
     finally:
         down = _kvplan("down", env=env)
     assert down.returncode == 0, down.stderr
@@ -136,3 +142,17 @@ def test_kvplan_up_generate_down(tmp_path, real_model_dir):
              and psutil.Process(m["pid"]).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"still running after `kvplan down`: {alive}"
     assert _kvplan("status", env=env).returncode == 1
+
+
+def _the_http_api_answers(address: str, state: Path) -> None:
+    """`kvplan up`'s HTTP API, with the cluster's admin key and without a key."""
+    import openai
+    from kvplan.auth import ADMIN_KEY_FILE
+    key = (state / ADMIN_KEY_FILE).read_text().strip()
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key=key, max_retries=0, timeout=300)
+    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt="What is the capital of France?",
+                                    max_tokens=12)
+    assert "Paris" in got.choices[0].text and got.usage.kv_bytes > 0
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{address}/v1", api_key="not-a-key", max_retries=0).completions.create(
+            model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)
