@@ -66,8 +66,9 @@ class Script(executor_pb2_grpc.ExecutorServicer):
 class FakeExecutor:
     """`with FakeExecutor() as fx: fx.address, fx.script` — a grpc.aio server in a thread."""
 
-    def __init__(self):
+    def __init__(self, interceptors: list | None = None):
         self.script = Script()
+        self.interceptors = interceptors
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -75,7 +76,7 @@ class FakeExecutor:
         self._thread.start()
 
         async def start():
-            server = grpc.aio.server()
+            server = grpc.aio.server(interceptors=self.interceptors)
             executor_pb2_grpc.add_ExecutorServicer_to_server(self.script, server)
             self.health = health.aio.HealthServicer()
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)

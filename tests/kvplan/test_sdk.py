@@ -49,6 +49,9 @@ def test_client_generates_and_streams_over_the_real_model(embedded):
         assert len(pieces) > 1 and "".join(pieces) == s.result.text and "Paris" in s.result.text
         with pytest.raises(ValueError, match=r"budget\.reserve_ratio: must be in \(0, 1\]"):
             client.generate("hi", ratio=1.5)
+        short = client.generate("Name three colours of the rainbow.", strategy="snapkv", ratio=0.5, max_new_tokens=4)
+        assert short.budget_met is False and short.budget_floor_tokens == 32      # its window alone is above 0.5
+        assert short.reserve_ratio > 0.5 and "could not hold reserve ratio 0.5" in short.warnings(0.5)[0]
 
 
 def test_a_broken_stream_reattaches_and_a_rerun_is_yielded_once():
