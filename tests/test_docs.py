@@ -19,6 +19,7 @@ TOP = ("docs", "deploy", "bench", "kvplan", "planner", "executor", "cachestore",
 PATH = re.compile(r"`((?:%s)/[^`\s:]*)`" % "|".join(TOP))
 URL = re.compile(r"\bhttps?://([^/\s`'\")]+)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+MADE_BY_USERS = ("deploy/keys/",)     # the docs tell an operator to make these (API key files)
 
 
 def test_the_readme_is_a_front_page():
@@ -44,7 +45,7 @@ def test_every_path_named_exists(page):
     missing = []
     for path in PATH.findall(page.read_text()):
         path = path.rstrip(".,;")
-        if not glob.glob(str(ROOT / path)):
+        if not glob.glob(str(ROOT / path)) and not path.startswith(MADE_BY_USERS):
             missing.append(path)
     assert not missing, f"{page.name} names paths that do not exist: {missing}"
 
