@@ -25,7 +25,6 @@ import grpc
 from kvplan import __version__
 from kvplan import auth, keyscmd
 from kvplan.config import ClientConfig, ClusterConfig, ConfigError, ModelConfig, from_env
-from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION  # noqa: F401  (tests use them)
 
 
 class UsageError(Exception):

@@ -108,7 +108,7 @@ class Gateway:
             raise api.ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                                param="model", code="model_not_found")
 
-    async def answer(self, request: Request, req: pb.GenerateRequest, body: api._Body, kind: str):
+    async def answer(self, request: Request, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
         """Start the job (its errors are this request's HTTP error), then answer in one JSON body
         or as an SSE stream."""
         metadata = _metadata(request)

@@ -54,7 +54,7 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # OpenAI clients send fields kvplan does not use (user, metadata, ...): accepted, except
     # misspelt kvplan fields (kv_*), which would otherwise be silently ignored.
     model_config = ConfigDict(extra="allow")
@@ -87,13 +87,13 @@ class _Message(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatBody(_Body):
+class ChatBody(RequestBody):
     messages: list[_Message]
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
 
 
-class CompletionBody(_Body):
+class CompletionBody(RequestBody):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
@@ -110,7 +110,7 @@ def _text(content, i: int) -> str:
     return "".join(parts)
 
 
-def _unsupported(body: _Body) -> None:
+def _unsupported(body: RequestBody) -> None:
     for name in body.model_extra or {}:
         if name.startswith("kv_"):
             raise bad(name, f"unknown kvplan field (known: {', '.join(KV_FIELDS)})")
@@ -131,7 +131,7 @@ def _unsupported(body: _Body) -> None:
         raise bad("suffix", "suffix is not supported")
 
 
-def _budget(body: _Body) -> common_pb2.Budget:
+def _budget(body: RequestBody) -> common_pb2.Budget:
     given = [name for name in ("kv_ratio", "kv_tokens", "kv_budget") if getattr(body, name) is not None]
     if len(given) > 1:
         raise bad(given[1], f"give one of kv_ratio, kv_tokens, kv_budget, not {' and '.join(given)}")
@@ -157,7 +157,7 @@ def _budget(body: _Body) -> common_pb2.Budget:
     return common_pb2.Budget()
 
 
-def _request(body: _Body, max_tokens: int | None) -> executor_pb2.GenerateRequest:
+def _request(body: RequestBody, max_tokens: int | None) -> executor_pb2.GenerateRequest:
     _unsupported(body)
     if max_tokens is not None and max_tokens < 1:
         raise bad("max_tokens", f"must be >= 1, got {max_tokens}")
