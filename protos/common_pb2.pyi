@@ -103,7 +103,7 @@ class OffloadPlan(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., value_group_size: _Optional[int] = ..., rerank: _Optional[int] = ...) -> None: ...
 
 class CompressionPlan(_message.Message):
-    __slots__ = ("plan_id", "strategy", "strategy_version", "model_fingerprint", "layers", "offload", "predicted_reserve_ratio", "predicted_retained_attention", "predicted_copy_retained_attention", "budget_met", "budget_floor_tokens")
+    __slots__ = ("plan_id", "strategy", "strategy_version", "model_fingerprint", "layers", "offload", "predicted_reserve_ratio", "predicted_retained_attention", "predicted_copy_retained_attention", "budget_met", "budget_floor_tokens", "predicted_kv_bytes")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class CompressionPlan(_message.Message):
     PREDICTED_COPY_RETAINED_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     BUDGET_MET_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FLOOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     strategy: str
     strategy_version: str
@@ -126,7 +127,8 @@ class CompressionPlan(_message.Message):
     predicted_copy_retained_attention: float
     budget_met: bool
     budget_floor_tokens: int
-    def __init__(self, plan_id: _Optional[str] = ..., strategy: _Optional[str] = ..., strategy_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., offload: _Optional[_Union[OffloadPlan, _Mapping]] = ..., predicted_reserve_ratio: _Optional[float] = ..., predicted_retained_attention: _Optional[float] = ..., predicted_copy_retained_attention: _Optional[float] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ...) -> None: ...
+    predicted_kv_bytes: int
+    def __init__(self, plan_id: _Optional[str] = ..., strategy: _Optional[str] = ..., strategy_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., offload: _Optional[_Union[OffloadPlan, _Mapping]] = ..., predicted_reserve_ratio: _Optional[float] = ..., predicted_retained_attention: _Optional[float] = ..., predicted_copy_retained_attention: _Optional[float] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class Budget(_message.Message):
     __slots__ = ("reserve_ratio", "kv_tokens")
