@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kvplan-installed
 
-.PHONY: setup run test bench protos clean
+.PHONY: setup run test soak bench protos clean
 
 setup: $(STAMP)
 	$(BIN)/kvplan prepare-model
@@ -22,7 +22,11 @@ run: setup
 
 test: setup
 	@command -v redis-server >/dev/null || { echo "redis-server is needed by the integration tests: apt-get install -y redis-server"; exit 1; }
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not soak"
+
+# The chaos soak (tests/test_soak.py, ~6 min): faults injected into a `kvplan up` cluster under load.
+soak: setup
+	$(BIN)/python -m pytest -q -s -m soak tests/test_soak.py
 
 bench: setup
 	$(BIN)/pip install --quiet -e '.[bench]'

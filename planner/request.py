@@ -76,6 +76,10 @@ MAX_TOKENS = 131072        # prompt + suffix + new tokens, the default of KVPLAN
 def parse(req: planner_pb2.PlanRequest, strategy: str, max_tokens: int = MAX_TOKENS) -> PlanInput:
     """Every field checked and bounded before any planning: the model's shape (MODEL_LIMITS) and
     the tokens the job holds (at most `max_tokens` together) bound the work a plan costs."""
+    for name in ("job_id", "strategy", "profile", "tenant"):       # logged and used in keys: no control characters
+        value = getattr(req, name)
+        if len(value) > 128 or not value.isprintable():
+            raise InvalidRequest(name, "must be at most 128 printable characters")
     m = req.model
     for name, limit in MODEL_LIMITS.items():
         if not 1 <= getattr(m, name) <= limit:

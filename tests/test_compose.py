@@ -27,10 +27,10 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 SERVICES = {"redis", "planner", "cachestore", "executor", "http"}
 # The configs each kvplan service reads: its env may name only their fields.
 SERVICE_CONFIGS = {
-    "planner": (kc.PlannerConfig, kc.ModelConfig),
-    "executor": (kc.ExecutorConfig, kc.ModelConfig),
-    "cachestore": (kc.CachestoreConfig,),
-    "http": (kc.HttpConfig, kc.ModelConfig),
+    "planner": (kc.PlannerConfig, kc.ModelConfig, kc.SecurityConfig),
+    "executor": (kc.ExecutorConfig, kc.ModelConfig, kc.SecurityConfig),
+    "cachestore": (kc.CachestoreConfig, kc.SecurityConfig),
+    "http": (kc.HttpConfig, kc.ModelConfig, kc.SecurityConfig),
 }
 REDIS_PORT = 6379
 ENV_NAME = re.compile(r"\bKVPLAN_[A-Z0-9_]+\b")
@@ -326,6 +326,7 @@ def check_commands(doc: dict) -> list[str]:
         problems.append(f"redis image is {redis.get('image')!r}, expected redis:7")
     if "redis-cli" not in redis.get("healthcheck", {}).get("test", []) or "ping" not in redis["healthcheck"]["test"]:
         problems.append("redis healthcheck is not redis-cli ping")
+    problems += check_security(doc)
     return problems
 
 
@@ -396,6 +397,29 @@ def check_dockerfile(text: str) -> list[str]:
                 problems.append(f"does not EXPOSE {cls.__name__} port {port}")
     for name in sorted(set(ENV_NAME.findall(text)) - all_env_names()):
         problems.append(f"{name} is not the env name of any config field")
+    return problems
+
+
+def check_security(doc: dict) -> list[str]:
+    """Ports published on loopback only; Redis with a password and append-only persistence, and
+    the services' URL carrying the password; the services with a keys file (docs/security.md)."""
+    problems = []
+    for svc_name, svc in doc["services"].items():
+        for spec in svc.get("ports", []):
+            if not spec.startswith("127.0.0.1:"):
+                problems.append(f"{svc_name} publishes {spec} on every interface, not 127.0.0.1")
+    words = command_words(doc["services"].get("redis", {}).get("command", []))
+    if "--requirepass" not in words:
+        problems.append("redis asks no password (--requirepass)")
+    if "--appendonly" not in words or words[words.index("--appendonly") + 1] != "yes":
+        problems.append("redis keeps no append-only file (--appendonly yes)")
+    for svc_name in SERVICE_CONFIGS:
+        env = environment(doc["services"].get(svc_name, {}))
+        url = env.get("KVPLAN_REDIS_URL")
+        if url is not None and not urlsplit(url).password:
+            problems.append(f"{svc_name}: KVPLAN_REDIS_URL has no password")
+        if svc_name != "http" and not env.get("KVPLAN_AUTH_KEYS_FILE"):
+            problems.append(f"{svc_name} has no KVPLAN_AUTH_KEYS_FILE: it would refuse to start with keys on")
     return problems
 
 
@@ -519,6 +543,16 @@ COMPOSE_MUTATIONS = {
         "test", ["CMD", "python", "-m", "kvplan.healthcheck", "127.0.0.1:50052"]), "http healthcheck"),
     "grace longer than docker waits": (lambda d: d["services"]["planner"].__setitem__("stop_grace_period", "10s"),
                                        "stop_grace_period 10s <= KVPLAN_GRACE_S"),
+    "published on every interface": (lambda d: d["services"]["planner"]["ports"].__setitem__(0, "50051:50051"),
+                                     "planner publishes 50051:50051 on every interface"),
+    "redis without a password": (lambda d: d["services"]["redis"].__setitem__(
+        "command", ["redis-server", "--appendonly", "yes"]), "redis asks no password"),
+    "redis without persistence": (lambda d: d["services"]["redis"].__setitem__(
+        "command", ["redis-server", "--requirepass", "x"]), "no append-only file"),
+    "redis url without password": (lambda d: _set_env(d["services"]["executor"], "KVPLAN_REDIS_URL",
+                                                      "redis://redis:6379/0"), "executor: KVPLAN_REDIS_URL has no password"),
+    "no keys file": (lambda d: d["services"]["cachestore"]["environment"].pop("KVPLAN_AUTH_KEYS_FILE"),
+                     "cachestore has no KVPLAN_AUTH_KEYS_FILE"),
 }
 
 

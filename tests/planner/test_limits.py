@@ -65,6 +65,7 @@ BOUNDED = [
     (dict(model=planner_pb2.ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=10**6)),
      "model.head_dim"),
     (dict(prompt_tokens=3, token_ids=[1, -5, 2]), "token_ids"),
+    (dict(job_id="j\n2026-01-01 INFO kvplan.planner: forged"), "job_id"),      # a forged log line
 ]
 
 
