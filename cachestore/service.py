@@ -108,6 +108,7 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
             if not idx.numel() or idx.numel() % request.top_k:
                 raise ValueError(f"token_indices: {idx.numel()} values are not kv_heads x top_k={request.top_k}")
             idx = idx.view(-1, request.top_k)                                            # [H, k]
+            self.store.touch(job)
             seg = self.segments.get(job)
             if seg is not None:
                 return self._prefetch_shm(seg, request, idx)
@@ -211,7 +212,10 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         tenant's only."""
         def stats():
             everyone = not request.tenant and auth.caller().role == "admin"
-            return self.store.stats("" if everyone else auth.acting_tenant(request.tenant, ""), request.job_id)
+            tenant = "" if everyone else auth.acting_tenant(request.tenant, "")
+            if tenant and request.job_id:                     # a handle's liveness call: the job is alive
+                self.store.touch(JobKey(tenant, request.job_id))
+            return self.store.stats(tenant, request.job_id)
 
         s = await self._call(context, stats)
         return cachestore_pb2.StatsReply(
@@ -261,16 +265,31 @@ def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Ser
     if orphans:
         log.warning("unlinked %d shared-memory segments no process maps (a killed cachestore's): %s",
                     len(orphans), ", ".join(orphans))
+    sweeper: list[asyncio.Task] = []
+
+    async def warmup() -> None:
+        if cfg.lease_s:
+            sweeper.append(asyncio.create_task(_expire_leases(store, cfg.lease_s)))
 
     async def stop() -> None:
+        for task in sweeper:
+            task.cancel()
         servicer.stop()
 
     return Service(
         name="cachestore",
         full_names=[cachestore_pb2.DESCRIPTOR.services_by_name["CacheStore"].full_name],
         register=lambda server: register(server, servicer),
-        stop=stop,
+        warmup=warmup, stop=stop,
     )
+
+
+async def _expire_leases(store: BlockStore, lease_s: float) -> None:
+    """Release, now and then, the pinned jobs whose executor went away without a word."""
+    while True:
+        await asyncio.sleep(min(60.0, lease_s / 4))
+        for job in await asyncio.to_thread(store.expire, lease_s):
+            log.warning("job %s: no call for %.0fs; released (its executor is gone)", job, lease_s)
 
 
 class _Captured:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Callable, Sequence
@@ -46,6 +47,7 @@ class _Job:
     reserved: int = 0                     # bytes of a registered shared-memory segment
     on_drop: Callable[[], None] | None = None   # frees what the reservation stands for
     attempt: int = 0                      # the executor attempt that registered the job (0: not said)
+    touched: float = field(default_factory=time.monotonic)   # last call about the job (a pin's lease)
 
 
 def _host(t: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -107,7 +109,7 @@ class BlockStore:
             job.nbytes += added
             job.pinned |= pin
             self._used += added
-            self._jobs.move_to_end(key.job)
+            self._touch(key.job)
             return block.rows, block.nbytes
 
     def get(self, key: BlockKey, token_indices: Indices = None, step: int = 0) -> Rows | None:
@@ -128,7 +130,7 @@ class BlockStore:
             else:
                 rows = self._read(block, idx)
             self._count(key.tenant, "hits")
-            self._jobs.move_to_end(key.job)
+            self._touch(key.job)
             return rows
 
     def prefetch(self, key: BlockKey, step: int, token_indices: Indices = None) -> bool:
@@ -140,7 +142,7 @@ class BlockStore:
                 return False
             self._staging.stage(key, step, idx, self._read(block, idx))
             self._count(key.tenant, "prefetches")
-            self._jobs.move_to_end(key.job)
+            self._touch(key.job)
             return True
 
     def reserve(self, job: JobKey, nbytes: int, attempt: int = 0) -> bool:
@@ -288,6 +290,25 @@ class BlockStore:
         with self._lock:
             for jk in list(self._jobs):
                 self._drop(jk)
+
+    def _touch(self, job: JobKey) -> None:
+        self._jobs.move_to_end(job)
+        self._jobs[job].touched = time.monotonic()
+
+    def touch(self, job: JobKey) -> None:
+        """A call about the job (a prefetch, a liveness check): its pin's lease starts again."""
+        with self._lock:
+            if job in self._jobs:
+                self._touch(job)
+
+    def expire(self, lease_s: float) -> list[JobKey]:
+        """Drop the pinned jobs untouched for `lease_s` (their executor died, no attempt came back)."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [jk for jk, j in self._jobs.items() if j.pinned and now - j.touched > lease_s]
+            for jk in stale:
+                self._drop(jk)
+        return stale
 
     def count(self, tenant: str, name: str) -> None:
         """Count one event of `name` (a Counters field) for `tenant`."""

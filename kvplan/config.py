@@ -238,6 +238,8 @@ class CachestoreConfig(ServiceConfig):
     capacity_bytes: int = _env("KVPLAN_CACHESTORE_CAPACITY_BYTES", 4 << 30, "host memory for KV blocks")
     redis_url: str = _env("KVPLAN_CACHESTORE_REDIS_URL", "", "spill tier for blocks of evicted jobs; empty: none")
     spill_ttl_s: int = _env("KVPLAN_CACHESTORE_SPILL_TTL_S", 3600, "how long spilled blocks are kept")
+    lease_s: float = _env("KVPLAN_CACHESTORE_LEASE_S", 900.0,
+                          "a pinned job no call touched this long is released (its executor died); 0: never")
 
     def __post_init__(self):
         super().__post_init__()
@@ -245,6 +247,8 @@ class CachestoreConfig(ServiceConfig):
             raise ConfigError(f"KVPLAN_CACHESTORE_CAPACITY_BYTES must be > 0, got {self.capacity_bytes}")
         if self.spill_ttl_s < 1:
             raise ConfigError(f"KVPLAN_CACHESTORE_SPILL_TTL_S must be >= 1, got {self.spill_ttl_s}")
+        if self.lease_s < 0:
+            raise ConfigError(f"KVPLAN_CACHESTORE_LEASE_S must be >= 0 (0: never), got {self.lease_s}")
 
 
 @dataclass(frozen=True)

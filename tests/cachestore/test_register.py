@@ -141,3 +141,19 @@ def test_a_segment_nobody_maps_is_swept_when_a_cachestore_starts(tmp_path):
         orphan.unlink(missing_ok=True)
         c.close()
         s.stop()
+
+
+def test_a_pin_nothing_touches_is_released_after_its_lease():
+    """An executor that died holding a segment, its job never registered again (re-claimed
+    without offload, or failed): the lease releases the segment and its pinned capacity."""
+    from cachestore.keys import JobKey
+    from cachestore.store import BlockStore
+    store, dropped = BlockStore(1 << 20), []
+    for job in ("dead", "alive"):
+        assert store.reserve(JobKey("rg", job), 1000, attempt=1)
+        assert store.attach(JobKey("rg", job), lambda job=job: dropped.append(job))
+    time.sleep(0.3)
+    store.touch(JobKey("rg", "alive"))                  # its handle's liveness call
+    assert store.expire(lease_s=0.2) == [JobKey("rg", "dead")] and dropped == ["dead"]
+    stats = store.stats()
+    assert stats.jobs == 1 and stats.pinned_jobs == 1 and stats.used_bytes == 1000
