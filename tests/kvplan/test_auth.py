@@ -231,3 +231,32 @@ def test_a_job_belongs_to_the_tenant_of_its_key(executor_services):
     got = stub["a"].GetJob(ref, timeout=5)
     assert got.state == executor_pb2.DONE, got.error
     assert not got.result.degraded                        # the service key reached the planner
+
+
+def test_any_authorization_metadata_is_unauthenticated_or_admitted(services, keys):
+    """Hypothesis over the `authorization` value (schemes, junk, near-misses of a real key):
+    UNAUTHENTICATED unless it is a real key, never UNKNOWN or INTERNAL."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    _, made = keys
+    ch = grpc.insecure_channel(services.addr["planner"])
+    call = ch.unary_unary("/kvplan.v1.Planner/ListStrategies", request_serializer=None, response_deserializer=None)
+    printable = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=80)
+    values = st.one_of(printable, st.builds(lambda s, k: f"{s} {k}", st.sampled_from(["Bearer", "bearer", "Basic", ""]),
+                                            st.one_of(printable, st.sampled_from(list(made.values())),
+                                                      st.sampled_from([v[:-1] for v in made.values()]))))
+
+    @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(value=values)
+    def check(value):
+        try:
+            call(b"", metadata=(("authorization", value),), timeout=5)
+            scheme, _, key = value.partition(" ")
+            assert scheme.lower() == "bearer" and key.strip() in made.values(), value
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED, (value, e.code(), e.details())
+
+    try:
+        check()
+    finally:
+        ch.close()
