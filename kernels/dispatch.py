@@ -15,6 +15,7 @@ from kernels import codebook, gather, quant, ragged_attention, rope_reconstruct,
 from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels import hamming
 from kernels import lowbit_qk as lowbit
+from kernels import quant_decode as qattend
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -251,3 +252,28 @@ def lowbit_scores(
     if use_triton(q, k_codes, k_scale, k_zero):
         return lowbit.lowbit_scores_triton(q, k_codes, k_scale, k_zero, bits)
     return lowbit.lowbit_scores_reference(q, k_codes, k_scale, k_zero, bits)
+
+
+def quant_attend(
+    rows: list,             # [G] qattend.QuantRows: each KV group's quantized rows, alike in bits and shape
+    q: torch.Tensor,        # [G, h, D] one query row per head of each group
+    k_tails: list,          # [G] of [R_i, D]: each group's newest rows, dense
+    v_tails: list,          # [G] of [R_i, D]
+    masks: list | None,     # [G] of [h, Q_i + R_i] bool (True = seen), or None
+    scaling: float,
+) -> torch.Tensor:          # [G, h, D] fp32
+    """Softmax attention of each group's h query rows over its KIVI-quantized rows
+    (`kernels.quant_decode`): the fused kernel on the CPU (numba), else the torch reference.
+    Raises ValueError naming a bad argument."""
+    if q.dim() != 3 or q.shape[0] != len(rows) or len(k_tails) != len(rows) or len(v_tails) != len(rows) \
+            or (masks is not None and len(masks) != len(rows)) or not rows:
+        raise ValueError(f"q must be [G, h, D] with a rows, tails and mask entry per group; got q {list(q.shape)} "
+                         f"for {len(rows)} groups")
+    if len({(r.bits, r.g, r.gv, r.d) for r in rows}) > 1:
+        raise ValueError("the groups must share bits, group sizes and head dim")
+    for i, r in enumerate(rows):
+        r.check(q[i], k_tails[i], v_tails[i], None if masks is None else masks[i])
+    if qattend.HAS_NUMBA and all(r.on_cpu for r in rows) and not q.is_cuda:
+        return qattend.attend_groups_cpu(rows, q, k_tails, v_tails, masks, scaling)
+    return torch.stack([r.attend_reference(q[i], k_tails[i], v_tails[i], None if masks is None else masks[i], scaling)
+                        for i, r in enumerate(rows)])

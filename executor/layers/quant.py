@@ -24,7 +24,8 @@ import torch
 
 from executor.layers.evicted import EvictedLayer
 from executor.layers.full import LayerContext
-from kernels import lowbit_scores, quantize_pack, unpack_dequantize
+from kernels import lowbit_scores, quant_attend, quantize_pack, unpack_dequantize
+from kernels.quant_decode import QuantRows
 from kvcore import cost
 from kvplan.plan import LayerPlan, Quant
 
@@ -70,6 +71,7 @@ class QuantGroup:
         self.v_scale = torch.empty(0, d // self.v_group, dtype=torch.float16, device=dev)             # [Q, D/g_v]
         self.v_zero = torch.empty(0, d // self.v_group, dtype=torch.float16, device=dev)              # [Q, D/g_v]
         self.k_tail, self.v_tail = k_post.to(dtype), v.to(dtype)                                     # [R, D]
+        self._rows: QuantRows | None = None           # the quantized rows as the decode kernel reads them
         self._flush()
 
     @property
@@ -80,7 +82,7 @@ class QuantGroup:
     def num_tokens(self) -> int:
         return self.quantized_tokens + self.k_tail.shape[0]
 
-    def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> None:
         """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE)."""
         self.k_tail = torch.cat([self.k_tail, k_post.to(self.k_tail.dtype)])
         self.v_tail = torch.cat([self.v_tail, v.to(self.v_tail.dtype)])
@@ -102,6 +104,14 @@ class QuantGroup:
         self.v_scale = torch.cat([self.v_scale, scale])
         self.v_zero = torch.cat([self.v_zero, zero])
         self.k_tail, self.v_tail = self.k_tail[m:].clone(), self.v_tail[m:].clone()   # clone: free the rows
+        self._rows = None
+
+    def quant_rows(self) -> QuantRows:
+        """The quantized rows as the decode kernel reads them (made once per flush)."""
+        if self._rows is None:
+            self._rows = QuantRows(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+                                   self.bits)
+        return self._rows
 
     def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> post-RoPE K, V: [U, D] in `dtype` (dequantized rows, then the tail)."""
@@ -114,13 +124,18 @@ class QuantGroup:
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
-        -> [h_n, Tq, D] (fp32 math, q's dtype out).
+        -> [h_n, Tq, D] (fp32 math, q's dtype out). A decode row (Tq = 1) takes the fused kernel
+        (`kernels.quant_decode`); longer calls the composition below.
 
         The quantized keys are scored straight from their codes (`kernels.lowbit_scores`: the
         scale folded into the query, the zero into one bias per group; no dequantized K, no
         transpose of the per-channel layout), the tail's exactly; the quantized values are
         dequantized per token (contiguous rows) for the weighted sum."""
         h, tq, d = q.shape
+        if tq == 1:                                   # decode: one fused pass over the codes
+            out = quant_attend([self.quant_rows()], q[:, 0][None], [self.k_tail], [self.v_tail],
+                               None if mask is None else [mask[:, 0]], scaling)
+            return out[0, :, None].to(q.dtype)
         rows = q.reshape(1, h * tq, d).float()                                                      # [1, R, D]
         scores = torch.cat([lowbit_scores(rows, self.k_codes[None], self.k_scale[None], self.k_zero[None], self.bits)[0],
                             rows[0] @ self.k_tail.float().T], dim=1).mul_(scaling)                  # [R, U]
@@ -156,6 +171,30 @@ class QuantLayer(EvictedLayer):
         if why is not None:
             raise UnsupportedPlan(f"layer {plan.layer}: {why}")
         super().__init__(plan, ctx)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states: [1, H_kv, T_new, D] (post-RoPE keys): after compression, each group's
+        rows join its tail (converted to the storage dtype once for all groups)."""
+        if not self.compressed:
+            return super().update(key_states, value_states)
+        k, v = key_states[0].to(self.storage_dtype), value_states[0].to(self.storage_dtype)      # [H_kv, T_new, D]
+        for g, group in enumerate(self.groups):
+            if self.masks is not None:
+                self._grow_mask(g, group.num_tokens, k.shape[1])
+            group.append(k[g], v[g])
+        self.tokens_seen += k.shape[1]
+        return key_states, value_states
+
+    def _attend_groups(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q: [1, H, Tq, D] -> [1, Tq, H, D]. A decode row attends over every group's codes in one
+        kernel call (`kernels.quant_attend`); longer calls group by group."""
+        if q.shape[2] != 1:
+            return super()._attend_groups(q, scaling)
+        hk = len(self.groups)
+        masks = None if self.masks is None else [m[:, :g.num_tokens] for m, g in zip(self.masks, self.groups)]
+        out = quant_attend([g.quant_rows() for g in self.groups], q[0, :, 0].view(hk, -1, q.shape[-1]),
+                           [g.k_tail for g in self.groups], [g.v_tail for g in self.groups], masks, scaling)
+        return out.view(1, 1, -1, q.shape[-1]).to(q.dtype)
 
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> QuantGroup:
         """k, v: [U, D] a group's kept tokens (post-RoPE keys); pos, weight: [U] (unused)."""

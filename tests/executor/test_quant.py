@@ -122,7 +122,7 @@ def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, resi
     handed: dict[int, list[torch.Tensor]] = {}                      # id(group) -> [(k, v) [T_new, D]]
     append = QuantGroup.append
 
-    def recording(self, k_post, v, pos):
+    def recording(self, k_post, v, pos=None):
         handed.setdefault(id(self), []).append((k_post.clone(), v.clone()))
         append(self, k_post, v, pos)
     monkeypatch.setattr(QuantGroup, "append", recording)

@@ -1,0 +1,59 @@
+"""The engine on the real model: jobs of full, snapkv, spindlekv, auto and specache, each planned for
+its own short prompt by the planner's strategies, give the same greedy tokens and hold the same
+bytes batched together as each alone."""
+import pytest
+import torch
+
+from executor import prompt as prompts
+from executor.engine import KVBudget, LLMEngine, Sampling, Status
+from executor.runner import Runner
+from planner.probe import Prober
+from planner.request import ModelShape, PlanInput
+from planner.strategies import STRATEGIES
+
+pytestmark = pytest.mark.slow
+
+FACTS = [
+    "The lighthouse on Corvo island was built in 1911 and its lamp was first lit by Maria Sousa.",
+    "The ferry to Flores leaves at 08:30 on weekdays and carries at most 140 passengers.",
+    "Every August the island holds a festival where fishermen race wooden boats around the harbor.",
+    "The island's only bakery, run by the Mendes family, sells sweet bread shaped like a seagull.",
+    "A weather station on the northern cliff records wind speeds that often pass 90 kilometres per hour.",
+]
+QUESTIONS = ["Who first lit the lighthouse lamp?", "When does the ferry leave?", "What do fishermen race?",
+             "Who runs the bakery?", "What does the weather station record?"]
+
+
+def _prompt(lm, i: int):
+    facts = FACTS[i:] + FACTS[:i]
+    text = " ".join(facts * 3)
+    return prompts.build(lm.tokenizer, [{"role": "user", "content": text + "\n\n" + QUESTIONS[i]}], "")
+
+
+def test_jobs_of_five_strategies_are_the_same_alone_or_batched(real_model):
+    lm, new = real_model, 12
+    shape = ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
+    prober = Prober(lm=lm)
+    jobs = []
+    for i, name in enumerate(["full", "snapkv", "spindlekv", "auto", "specache"]):
+        p = _prompt(lm, i)
+        ids = list(p.context_ids)
+        inp = PlanInput("t", name, len(ids), shape, reserve_ratio=0.5, new_tokens=new,
+                        probe=lambda ids=ids, **kw: prober.probe(ids, **kw))
+        jobs.append((name, p, STRATEGIES[name].plan(inp, f"t-{name}")))
+    assert {pl.layers[0].kind for _, _, pl in jobs[1:4]} != {"full"} and jobs[4][2].offload.enabled
+    runner = Runner(lm, torch.float16, prefetch_wait_s=30.0)
+    solo = {name: runner.run(p, plan, Sampling(new), budget=0.5) for name, p, plan in jobs}
+    engine = LLMEngine(lm, torch.float16, KVBudget(1 << 40), prefetch_wait_s=30.0)
+    seqs = {name: engine.sequence(p, plan, Sampling(new), ratio=0.5) for name, p, plan in jobs}
+    for seq in seqs.values():
+        engine.add(seq)
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, sum(s.status is Status.DECODE for s in engine.scheduler.running))
+    assert most == len(jobs)
+    for name, seq in seqs.items():
+        assert seq.generated == solo[name].token_ids, name
+        assert seq.cache.layer_bytes() == solo[name].layers, name
+    assert all(len(r.token_ids) >= 1 and r.text for r in solo.values())
