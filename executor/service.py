@@ -27,11 +27,14 @@ from executor import prompt as prompts
 from executor import validation
 from executor.jobqueue import PATIENCE, Limits, QueueFull, QueueUnavailable, open_backend
 from executor.planner_client import PlannerClient
-from executor.runner import Runner
+from executor.prompt import Prompt
+from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
+from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
 from kvplan import auth
 from kvplan import model as models
 from kvplan.config import ExecutorConfig, ModelConfig
+from kvplan.plan import full_plan
 from kvplan.serving import Service, set_health
 from planner.request import InvalidRequest
 from protos import executor_pb2 as pb
@@ -46,7 +49,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.executor_id = cfg.executor_id or f"{socket.gethostname()}-{os.getpid()}"
         self.backend = open_backend(cfg.redis_url, claim_idle_ms=cfg.claim_idle_ms)
         self.planner = PlannerClient(cfg.planner_addr, cfg.plan_deadline_s, cfg.plan_deadline_per_1k_s)
-        self.runner: Runner | None = None
+        self.engine: LLMEngine | None = None
         self.worker: Worker | None = None
         self.cachestore: CachestoreClient | None = None
         self._worker_task: asyncio.Task | None = None
@@ -55,10 +58,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def warmup(self) -> None:
         await self.backend.open()
         lm = await asyncio.to_thread(models.load, self.model_cfg)
-        self.runner = Runner(lm, getattr(torch, self.model_cfg.storage_dtype), self.cfg.prefill_chunk,
-                             self.cfg.prefetch_wait_s)
+        self.engine = self._engine(lm)
         self.cachestore = CachestoreClient(self.cfg.cachestore_addr, self.cfg.cachestore_transport)
-        self.worker = Worker(self.cfg, self.backend, self.runner, self.planner, self.executor_id, self.cachestore)
+        self.worker = Worker(self.cfg, self.backend, self.engine, self.planner, self.executor_id, self.cachestore)
         self._worker_task = asyncio.create_task(self.worker.run_forever())
         log.info("executor %s ready (model %s, queue %s)", self.executor_id, lm.path.name,
                  "redis" if self.cfg.redis_url else "in-process")
@@ -76,6 +78,28 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self.cachestore is not None:
             self.cachestore.close()
         await self.backend.close()
+
+    def _engine(self, lm) -> LLMEngine:
+        """The engine under the configured KV budget (default: a share of the memory available
+        now); logged with how many full-KV 4k jobs it holds, as vLLM logs its concurrency."""
+        cfg, dtype = self.cfg, getattr(torch, self.model_cfg.storage_dtype)
+        budget = KVBudget(cfg.kv_budget_bytes or default_budget(cfg.kv_budget_share))
+        engine = LLMEngine(lm, dtype, budget, cfg.max_batched_tokens, cfg.max_seqs, cfg.prefill_chunk,
+                           cfg.prefetch_wait_s)
+        full_4k = engine.reservation(full_plan(lm.num_layers, "sizing"), Prompt(list(range(4096)), []), Sampling(1))
+        log.info("KV budget %.2f GiB%s: %d full-KV 4k-token jobs at once (at most %d jobs)", budget.total / 2**30,
+                 "" if cfg.kv_budget_bytes else f" ({cfg.kv_budget_share:.0%} of the memory available)",
+                 budget.total // full_4k, cfg.max_seqs)
+        return engine
+
+    def _check_budget(self, prompt, checked, strategy: str) -> None:
+        """A job the whole KV budget could never hold fails now (`OverBudget`, RESOURCE_EXHAUSTED):
+        whatever its plan, its prefill holds its dense context; under `full`, its whole job."""
+        whole = strategy == "full"
+        need = self.engine.reservation(full_plan(self.engine.lm.num_layers, "sizing"),
+                                       prompt if whole else Prompt(prompt.context_ids, []),
+                                       Sampling(checked.max_new_tokens if whole else 1))
+        self.engine.budget.check_fits_at_all(need)
 
     # -- RPCs -------------------------------------------------------------------------------
     async def SubmitJob(self, req: pb.GenerateRequest, context) -> pb.JobStatus:
@@ -136,17 +160,20 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return Limits(self.cfg.max_queued, self.cfg.max_queued_per_tenant, self.cfg.tenant_rate_per_min)
 
     async def _submit(self, req: pb.GenerateRequest, context) -> pb.JobStatus:
-        if self.runner is None:
+        if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is warming up (loading the model)")
         try:
             tenant = auth.acting_tenant(req.tenant, "default")
             validation.check_size(req, self.cfg.max_prompt_bytes)               # before any tokenizing
-            lm = self.runner.lm
+            lm = self.engine.lm
             checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
             await self.backend.admit(tenant, self.limits)                         # the tenant's rate
             validation.check_strategy(req.strategy, await self.planner.strategies())
             prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
             validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
+            self._check_budget(prompt, checked, req.strategy)
+        except OverBudget as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except auth.Denied as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:                                                   # InvalidRequest among them

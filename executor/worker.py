@@ -20,7 +20,7 @@ from executor import prompt as prompts
 from executor import validation
 from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
 from executor.engine.result import run_result
-from executor.jobqueue import Claim, JobBackend
+from executor.jobqueue import PATIENCE, Claim, JobBackend, QueueUnavailable
 from executor.metrics import JOBS, observe_finished, observe_usage
 from executor.planner_client import PlanOutcome, PlannerClient
 from executor.report import job_result
@@ -32,6 +32,7 @@ log = logging.getLogger("kvplan.executor.worker")
 
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 MAX_PLANNING = 2          # jobs claimed and being planned, or admitted-but-waiting, at once
+INTAKE_PATIENCE_S = 5.0   # how long a claim retries an unreachable Redis before the loop looks again
 
 
 class LostClaim(Exception):
@@ -77,6 +78,7 @@ class Worker:
             steps.cancel()
 
     async def _intake(self) -> None:
+        PATIENCE.set(INTAKE_PATIENCE_S)           # a claim waits this long for Redis, so stop() is heard
         while not self._stopping.is_set():
             try:
                 if not self._room():
@@ -87,6 +89,9 @@ class Worker:
                     asyncio.create_task(self._start(claim))
             except asyncio.CancelledError:
                 raise
+            except QueueUnavailable as e:
+                log.warning("job queue unreachable (%s); retrying", e)
+                await asyncio.sleep(1.0)
             except Exception:
                 log.exception("intake error; retrying")
                 await asyncio.sleep(1.0)
@@ -184,17 +189,28 @@ class Worker:
             raise
 
     async def _pump(self, job: Job) -> None:
-        """The job's events, in order, into its event log."""
+        """The job's events, in order, into its event log. An event that cannot be written loses
+        the job here (its entry stays un-acked for a re-claim); the queue still drains, so its
+        end is never waited on forever."""
         while True:
             kind, payload = await job.events.get()
-            if kind == "progress":
-                ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
-            else:
-                job.tokens += len(payload[1])
-                ev = pb.JobEvent(delta=pb.TokenDelta(text=payload[0], token_ids=payload[1]))
-            ev.job_id, ev.attempt = job.claim.job_id, job.claim.attempt
-            await self.backend.append_event(job.claim.job_id, ev.SerializeToString())
-            job.events.task_done()
+            try:
+                if kind == "progress":
+                    ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
+                else:
+                    job.tokens += len(payload[1])
+                    ev = pb.JobEvent(delta=pb.TokenDelta(text=payload[0], token_ids=payload[1]))
+                ev.job_id, ev.attempt = job.claim.job_id, job.claim.attempt
+                if not job.lost:
+                    await self.backend.append_event(job.claim.job_id, ev.SerializeToString())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("job %s: its events cannot be written; dropping this run", job.claim.job_id)
+                job.lost = True
+                job.stop.set()
+            finally:
+                job.events.task_done()
 
     async def _heartbeat(self, job: Job) -> None:
         while True:
@@ -263,7 +279,8 @@ class Worker:
         try:
             return await asyncio.to_thread(
                 self.cachestore.open, job.claim.tenant or req.tenant or "default", job.claim.job_id, lm.num_layers,
-                lm.num_kv_heads, lm.head_dim, self.engine.storage_dtype, max_tokens, plan.offload.candidates)
+                lm.num_kv_heads, lm.head_dim, self.engine.storage_dtype, max_tokens, plan.offload.candidates,
+                job.claim.attempt)
         except StoreUnavailable as e:
             log.warning("job %s: cachestore unavailable (%s); running on the low-bit copy, degraded", job.claim.job_id, e)
             return Unavailable(str(e))
