@@ -19,6 +19,8 @@ correct, and the measured reserve ratio. Ratios against `full` are taken in the 
 `--scenario itl`: `--requests` jobs decode; one prompt of `--long` tokens arrives once they
 all decode; their inter-token gaps while it prefills are reported against one prefill chunk
 alone plus one decode step, both measured by the engine in the same run.
+`--scenario batching`: `--requests` full-KV jobs one at a time, then all at once, on one
+executor: decode tokens/s of each and whether every answer is the same (`bench.scenarios`).
 
 Writes <out>/serve.json (and the budget plot), prints markdown tables."""
 from __future__ import annotations
@@ -27,7 +29,6 @@ import argparse
 import json
 import math
 import platform
-import threading
 import time
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-jobs", type=float, nargs="+", default=[4.0])
     ap.add_argument("--kv-budget-bytes", type=int, default=0)
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
-    ap.add_argument("--scenario", choices=("throughput", "itl"), default="throughput")
+    ap.add_argument("--scenario", choices=("throughput", "itl", "batching"), default="throughput")
     ap.add_argument("--long", type=int, default=4000, help="itl scenario: the arriving prompt's tokens")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--max-seqs", type=int, default=64)
@@ -123,8 +124,9 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(models.prepare(mcfg))
     shape = _shape(mcfg, args.max_batched_tokens)
     cases = load.cases(tok, args.requests, args.lengths)
-    if args.scenario == "itl":
-        return _itl(args, shape, tok, cases)
+    if args.scenario != "throughput":
+        from bench import scenarios
+        return scenarios.SCENARIOS[args.scenario](args, tok, cases)
     budgets = [args.kv_budget_bytes] if args.kv_budget_bytes else [
         int(k * full_job_bytes(shape, max(args.lengths) + 64, args.new_tokens)) for k in args.budget_jobs]
     arrive = load.arrivals(args.requests, args.rate)
@@ -176,45 +178,6 @@ def _row(r: dict, runs: list[dict]) -> str:
 def _table(runs: list[dict]) -> str:
     sep = "|" + "|".join(["---"] * (HEADER.count("|") - 1)) + "|"
     return "\n".join([HEADER, sep] + [_row(r, runs) for r in runs])
-
-
-def _itl(args, shape: dict, tok, cases) -> None:
-    """Jobs decoding, then one long prompt: their gaps while it prefills vs a chunk + a step."""
-    budget = args.kv_budget_bytes or 1 << 40
-    long_case = load.cases(tok, 1, [args.long])[0]
-    items = [load.Item(c, "full", None, args.new_tokens, 0.0) for c in cases]
-    env = {"KVPLAN_KV_BUDGET_BYTES": str(budget), "KVPLAN_MAX_BATCHED_TOKENS": str(args.max_batched_tokens),
-           "KVPLAN_PREFILL_CHUNK": str(args.max_batched_tokens), "KVPLAN_MAX_SEQS": str(args.max_seqs)}
-    with Stack(env, args.out / "logs" / "itl") as stack:
-        load.run(stack.executor_addr, [load.Item(cases[0], "full", None, 2, 0.0)])
-        before = stack.metrics()
-        box: dict = {}
-        bg = threading.Thread(target=lambda: box.setdefault("bg", load.run(stack.executor_addr, items)))
-        bg.start()
-        while metric(stack.metrics(), "kvplan_executor_running_sequences") < len(items) or \
-                metric(stack.metrics(), "kvplan_executor_steps_total", kind="decode") - \
-                metric(before, "kvplan_executor_steps_total", kind="decode") < 2:
-            time.sleep(0.2)
-        t_long = time.perf_counter()
-        long = load.run(stack.executor_addr, [load.Item(long_case, "full", None, 4, 0.0)])[0]
-        bg.join()
-        after = stack.metrics()
-    window = (t_long, long.t_tokens[0] if long.t_tokens else long.t_done)
-    gaps = [b - a for s in box["bg"] for a, b in zip(s.t_tokens, s.t_tokens[1:]) if window[0] <= b <= window[1]]
-    s = summarize(box["bg"], before, after, budget)
-    bound = s["prefill_step_s"] + s["decode_step_s"]
-    res = dict(scenario="itl", jobs=len(items), long_tokens=long.result.prompt_tokens if long.result else None,
-               gaps=len(gaps), itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99), itl_max=max(gaps, default=float("nan")),
-               chunk_step_s=s["prefill_step_s"], decode_step_s=s["decode_step_s"], bound_s=bound,
-               max_batched_tokens=args.max_batched_tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "itl.json").write_text(json.dumps(res, indent=1))
-    print("| jobs decoding | arriving prompt | gaps while it prefills | ITL p50 s | ITL p99 s | max s | "
-          "one chunk alone s | one decode step s | bound s | p99 within |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    print(f"| {res['jobs']} | {res['long_tokens']} | {res['gaps']} | {res['itl_p50']:.2f} | {res['itl_p99']:.2f} | "
-          f"{res['itl_max']:.2f} | {res['chunk_step_s']:.2f} | {res['decode_step_s']:.2f} | {bound:.2f} | "
-          f"{'yes' if res['itl_p99'] <= bound else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ PATIENCE: contextvars.ContextVar[float | None] = contextvars.ContextVar("kvplan_
 class JobBackend(Protocol):
     async def open(self) -> None: ...
     async def close(self) -> None: ...
+    async def depth(self) -> int:
+        """Jobs in the queue, waiting or running."""
     async def ping(self) -> bool:
         """Whether the store answers (restoring the consumer group if it was lost)."""
     async def submit(self, job_id: str, request: bytes, status: bytes, tenant: str = "",
@@ -106,6 +108,9 @@ class MemoryJobs:
 
     async def ping(self) -> bool:
         return True
+
+    async def depth(self) -> int:
+        return sum(self._queued.values())
 
     async def submit(self, job_id: str, request: bytes, status: bytes, tenant: str = "",
                      limits: Limits = Limits()) -> None:

@@ -12,6 +12,7 @@ JOBS = Counter("kvplan_executor_jobs_total", "jobs ended, by state, strategy and
 DEGRADED = Counter("kvplan_jobs_degraded_total", "jobs that ended degraded (planner or cachestore lost)")
 TOKENS = Counter("kvplan_executor_generated_tokens_total", "tokens generated")
 RUNNING = Gauge("kvplan_executor_running_sequences", "jobs the engine runs (prefilling or decoding)")
+QUEUE_DEPTH = Gauge("kvplan_executor_queue_depth", "jobs in the job queue, waiting or running (all executors)")
 WAITING = Gauge("kvplan_executor_waiting_sequences", "planned jobs waiting for KV budget room")
 KV_BYTES = Gauge("kvplan_executor_kv_bytes", "bytes the running jobs' KV cache tensors hold")
 KV_RESERVED = Gauge("kvplan_executor_kv_reserved_bytes", "bytes reserved for the running jobs")
@@ -25,6 +26,7 @@ QUEUE = Histogram("kvplan_executor_queue_seconds", "planned -> admitted (waiting
 STEPS = Counter("kvplan_executor_steps_total", "engine steps, by kind (decode | mixed | prefill)", ["kind"])
 STEP_SECONDS = Counter("kvplan_executor_step_seconds_total", "time in engine steps, by kind", ["kind"])
 STEP_TOKENS = Counter("kvplan_executor_step_tokens_total", "tokens generated in engine steps, by kind", ["kind"])
+LONGEST_STEP = Gauge("kvplan_executor_step_seconds_max", "the longest engine step of each kind so far", ["kind"])
 MOST_RUNNING = Gauge("kvplan_executor_decoding_sequences_peak", "most sequences that decoded in one step")
 PREFILL_S = Histogram("kvplan_executor_prefill_seconds", "prefill time per job", buckets=_SECONDS)
 
@@ -43,6 +45,7 @@ def observe_usage(engine) -> None:
         STEPS.labels(kind).inc()
         STEP_SECONDS.labels(kind).inc(seconds)
         STEP_TOKENS.labels(kind).inc(tokens)
+        LONGEST_STEP.labels(kind).set(engine.stats.longest[kind])
     MOST_RUNNING.set(engine.stats.most_running)
 
 

@@ -115,6 +115,9 @@ class RedisJobs:
             if "BUSYGROUP" not in str(e):
                 raise
 
+    async def depth(self) -> int:
+        return await self._do(lambda: self.r.xlen(STREAM))
+
     async def ping(self) -> bool:
         try:
             await self.r.ping()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 from cachestore.handle import StoreUnavailable, Unavailable
@@ -21,7 +22,7 @@ from executor import validation
 from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
 from executor.engine.result import run_result
 from executor.jobqueue import PATIENCE, Claim, JobBackend, QueueUnavailable
-from executor.metrics import JOBS, observe_finished, observe_usage
+from executor.metrics import JOBS, QUEUE_DEPTH, observe_finished, observe_usage
 from executor.planner_client import PlanOutcome, PlannerClient
 from executor.report import job_result
 from kvplan.config import ExecutorConfig
@@ -79,8 +80,12 @@ class Worker:
 
     async def _intake(self) -> None:
         PATIENCE.set(INTAKE_PATIENCE_S)           # a claim waits this long for Redis, so stop() is heard
+        counted = 0.0
         while not self._stopping.is_set():
             try:
+                if time.monotonic() - counted > 1.0:
+                    QUEUE_DEPTH.set(await self.backend.depth())
+                    counted = time.monotonic()
                 if not self._room():
                     await asyncio.sleep(0.05)
                     continue

@@ -25,7 +25,7 @@ METRIC = re.compile(r"\bkvplan_[a-z0-9_]+")
 MODULES = ("kvplan.serving", "kvplan.gateway", "planner.service", "cachestore.service", "executor.metrics")
 # The executor engine's metrics (issue 21), checked against the registry as soon as
 # executor.metrics exists; until then these names are what the engine promises.
-ENGINE = {"kvplan_executor_running_sequences", "kvplan_executor_waiting_sequences",
+ENGINE = {"kvplan_executor_running_sequences", "kvplan_executor_waiting_sequences", "kvplan_executor_queue_depth",
           "kvplan_executor_kv_bytes", "kvplan_executor_kv_reserved_bytes", "kvplan_executor_kv_budget_bytes",
           "kvplan_executor_ttft_seconds_bucket", "kvplan_executor_tpot_seconds_bucket",
           "kvplan_executor_itl_seconds_bucket", "kvplan_executor_jobs_total", "kvplan_jobs_degraded_total",
@@ -106,7 +106,7 @@ def test_the_dashboard_reads_only_exported_metrics(dashboard):
 def test_the_dashboard_shows_what_an_operator_needs(dashboard):
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     for name in ("kvplan_executor_running_sequences", "kvplan_executor_waiting_sequences",
-                 "kvplan_executor_kv_bytes", "kvplan_executor_kv_budget_bytes", "kvplan_executor_ttft_seconds_bucket",
+                 "kvplan_executor_queue_depth", "kvplan_executor_kv_bytes", "kvplan_executor_kv_budget_bytes", "kvplan_executor_ttft_seconds_bucket",
                  "kvplan_executor_tpot_seconds_bucket", "kvplan_jobs_degraded_total", "kvplan_rpc_seconds_bucket"):
         assert name in exprs, name
     assert "sum by (strategy)" in exprs and 'degraded="true"' in exprs

@@ -40,6 +40,7 @@ class StepStats:
     steps: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)
     tokens: Counter = field(default_factory=Counter)
+    longest: Counter = field(default_factory=Counter)   # the longest step of each kind, seconds
     most_running: int = 0
     last: tuple[str, float, int] = ("", 0.0, 0)      # the last step's (kind, seconds, tokens)
 
@@ -49,6 +50,7 @@ class StepStats:
         self.steps[kind] += 1
         self.seconds[kind] += seconds
         self.tokens[kind] += tokens
+        self.longest[kind] = max(self.longest[kind], seconds)
         self.most_running = max(self.most_running, decodes)
         self.last = (kind, seconds, tokens)
 
