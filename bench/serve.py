@@ -89,7 +89,7 @@ def serve_once(args, strategy: str, budget: int, items: list[load.Item], tag: st
            "KVPLAN_PREFILL_CHUNK": str(args.max_batched_tokens), "KVPLAN_MAX_SEQS": str(args.max_seqs),
            "KVPLAN_DEFAULT_MAX_NEW_TOKENS": str(args.new_tokens)}
     with Stack(env, args.out / "logs" / tag) as stack:
-        warm = load.Item(items[0].case, strategy, items[0].ratio, 2, 0.0)
+        warm = load.Item(items[0].case, strategy, items[0].ratio, 2, 0.0, items[0].profile)
         load.run(stack.executor_addr, [warm])                     # the first job's one-off costs, not timed
         before = stack.metrics()
         sent = load.run(stack.executor_addr, items)
@@ -99,7 +99,7 @@ def serve_once(args, strategy: str, budget: int, items: list[load.Item], tag: st
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--strategies", nargs="+", default=["full", "auto", "specache", "snapkv", "spindlekv"])
     ap.add_argument("--ratio", type=float, default=0.2)
     ap.add_argument("--requests", type=int, default=20)
@@ -110,9 +110,17 @@ def main(argv=None) -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
     ap.add_argument("--scenario", choices=("throughput", "itl", "batching"), default="throughput")
     ap.add_argument("--long", type=int, default=4000, help="itl scenario: the arriving prompt's tokens")
-    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-batched-tokens", type=int, default=512,
+                    help="KVPLAN_MAX_BATCHED_TOKENS and KVPLAN_PREFILL_CHUNK of the executor")
+    ap.add_argument("--profiles", action="store_true",
+                    help="each case family and length is a profile: the planner probes a sample of its jobs "
+                         "(KVPLAN_PROFILE_SAMPLE) and the others reuse its plan")
     ap.add_argument("--max-seqs", type=int, default=64)
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="a job ends at the model's end token (default: every job generates --new-tokens, "
+                         "as vllm bench serve --ignore-eos; answers are checked in the text all the same)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--json", default="serve.json", help="the results file's name in --out")
     args = ap.parse_args(argv)
     unknown = [s for s in args.strategies if s not in STRATEGIES]
     if unknown:
@@ -134,7 +142,8 @@ def main(argv=None) -> None:
     for budget in budgets:
         for strategy in args.strategies:
             ratio = None if strategy == "full" else args.ratio
-            items = [load.Item(c, strategy, ratio, args.new_tokens, t) for c, t in zip(cases, arrive)]
+            items = [load.Item(c, strategy, ratio, args.new_tokens, t, f"{c.family}-{c.length}" if args.profiles else "",
+                               not args.stop_at_eos) for c, t in zip(cases, arrive)]
             print(f"[serve] {strategy} at {ratio or 1.0} under {budget / 2**20:.0f} MiB ...", flush=True)
             summary, sent = serve_once(args, strategy, budget, items, f"{strategy}-{budget}")
             runs.append(dict(strategy=strategy, ratio=ratio or 1.0, **summary,
@@ -144,9 +153,10 @@ def main(argv=None) -> None:
             print(_row(runs[-1], runs), flush=True)
     out = dict(bench="serve", machine=platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
                requests=args.requests, lengths=args.lengths, new_tokens=args.new_tokens, rate=args.rate,
-               max_batched_tokens=args.max_batched_tokens, runs=runs, when=time.strftime("%Y-%m-%d %H:%M"))
+               max_batched_tokens=args.max_batched_tokens, profiles=args.profiles, stop_at_eos=args.stop_at_eos, runs=runs,
+               when=time.strftime("%Y-%m-%d %H:%M"))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve.json").write_text(json.dumps(out, indent=1))
+    (args.out / args.json).write_text(json.dumps(out, indent=1))
     print("\n" + _table(runs))
     if len(budgets) > 1:
         from bench.plots import throughput_by_budget

@@ -178,7 +178,7 @@ class Worker:
                                               len(prompt.context_ids), lm, prompt.context_ids,
                                               len(prompt.question_ids), checked.max_new_tokens)
         plan = job.outcome.plan
-        sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed)
+        sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed, req.ignore_eos)
         store = await self._open_store(job, req, plan, prompt.num_tokens + checked.max_new_tokens)
         loop = asyncio.get_running_loop()
 

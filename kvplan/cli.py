@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
                          "and its copy-aware form")
     pl.add_argument("--json", action="store_true", help="print the plan in the proto's JSON form")
     pl.add_argument("--plot", type=Path, metavar="FILE.png", help="draw kept tokens per layer (needs matplotlib)")
+    b = sub.add_parser("bench", help="run a benchmark from a checkout: `kvplan bench serve [flags]` "
+                                     "(python -m bench.serve --help)", add_help=False)
+    b.add_argument("bench", choices=["serve"], help="which benchmark")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="its flags")
     keyscmd.add_parser(sub)
     return p
 
@@ -120,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     if args.cmd == "serve":
         return _serve(args.service)
+    if args.cmd == "bench":
+        try:
+            from bench import serve
+        except ImportError:
+            raise UsageError("the benchmarks live in the repository's bench/ folder: run kvplan from a checkout") from None
+        serve.main(args.rest)
+        return 0
     from kvplan import cluster
     ccfg, mcfg = from_env(ClusterConfig), from_env(ModelConfig)
     auth.use_cluster_key(cluster.state_dir(ccfg, mcfg))     # no KVPLAN_API_KEY: the `kvplan up` admin key

@@ -15,7 +15,8 @@ from protos import common_pb2, executor_pb2, executor_pb2_grpc, planner_pb2, pla
 def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, question: str = "",
             max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
             seed: int | None = None, strategy: str = "", reserve_ratio: float | None = None,
-            kv_tokens: int | None = None, tenant: str = "", profile: str = "") -> executor_pb2.GenerateRequest:
+            kv_tokens: int | None = None, tenant: str = "", profile: str = "",
+            ignore_eos: bool = False) -> executor_pb2.GenerateRequest:
     budget = common_pb2.Budget()
     if reserve_ratio is not None:
         budget.reserve_ratio = reserve_ratio
@@ -23,7 +24,7 @@ def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, q
         budget.kv_tokens = kv_tokens
     req = executor_pb2.GenerateRequest(
         prompt=prompt, question=question, temperature=temperature, strategy=strategy, budget=budget,
-        tenant=tenant, profile=profile,
+        tenant=tenant, profile=profile, ignore_eos=ignore_eos,
         messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []])
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens

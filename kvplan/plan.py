@@ -121,7 +121,8 @@ class CompressionPlan:
         d["predicted_reserve_ratio"] = float(d.get("predicted_reserve_ratio", 0.0))
         for k in ("predicted_retained_attention", "predicted_copy_retained_attention"):
             d[k] = float(d.get(k, 0.0))
-        d["budget_floor_tokens"] = int(d.get("budget_floor_tokens", 0))
+        for k in ("budget_floor_tokens", "predicted_kv_bytes"):             # int64: a string in JSON
+            d[k] = int(d.get(k, 0))
         return cls(layers=layers, offload=offload, **d)
 
 

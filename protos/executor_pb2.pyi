@@ -24,7 +24,7 @@ FAILED: JobState
 CANCELLED: JobState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile")
+    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile", "ignore_eos")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     question: str
@@ -47,7 +48,8 @@ class GenerateRequest(_message.Message):
     budget: _common_pb2.Budget
     tenant: str
     profile: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)

@@ -117,7 +117,7 @@ class Scheduler:
         return done
 
     def _take(self, seq: Sequence, tok: int) -> None:
-        if tok in self.stop_ids:
+        if tok in self.stop_ids and not seq.sampling.ignore_eos:
             seq.finish("eos")
             return
         seq.append(tok)

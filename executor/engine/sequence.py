@@ -35,6 +35,7 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False          # generate max_new_tokens whatever the model says (benchmarks)
 
 
 @dataclass(frozen=True)

@@ -148,3 +148,16 @@ def test_cancel_ends_a_running_job_and_frees_its_bytes(tiny_model):
     assert a in ended and a.finish_reason == "cancelled" and budget.held(a.seq_id) == 0
     engine.run_all()
     assert b.finish_reason in ("eos", "length") and budget.reserved == 0
+
+
+def test_ignore_eos_generates_max_new_tokens_past_the_end_token(tiny_model):
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefill_chunk=32)
+    prompt = Prompt(list(range(100, 140)), [])
+    first = Runner(tiny_model, torch.float16).run(prompt, full_plan(2, "f"), Sampling(1)).token_ids[0]
+    engine.scheduler.stop_ids = {first}                      # the model's first token ends a job
+    stops = engine.sequence(prompt, full_plan(2, "f"), Sampling(6))
+    goes_on = engine.sequence(prompt, full_plan(2, "f"), Sampling(6, ignore_eos=True))
+    engine.add(stops), engine.add(goes_on)
+    engine.run_all()
+    assert stops.finish_reason == "eos" and stops.generated == []
+    assert goes_on.finish_reason == "length" and len(goes_on.generated) == 6 and goes_on.generated[0] == first
