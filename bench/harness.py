@@ -21,7 +21,8 @@ from kvplan.config import ModelConfig, from_env
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan
 from planner.predict import copy_retained_attention, retained_attention
-from planner.probe import Prober, ProbeStats
+from kvcore.statistics import ProbeStats
+from planner.probe import Prober
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 

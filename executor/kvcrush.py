@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor import scoring
+from kvcore import scoring
 from kernels import hamming_distance, pack_bits
 from kvplan.plan import Eviction, KVCrush
 

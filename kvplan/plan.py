@@ -30,7 +30,7 @@ class Eviction:
     gqa_mode: str = "mean"
     sink_tokens: int = 0
     kvcrush: KVCrush | None = None
-    span_tokens: int = 0      # copy span (executor/scoring.py `spread`); 0 = off, as in the papers
+    span_tokens: int = 0      # copy span (kvcore/scoring.py `spread`); 0 = off, as in the papers
 
 
 @dataclass(frozen=True)

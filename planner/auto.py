@@ -25,7 +25,7 @@ import numpy as np
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
-from planner.probe import QUANT_GROUP, SINKS, SPAN, POOL
+from kvcore.statistics import POOL, QUANT_GROUP, SINKS, SPAN
 from planner.request import InvalidRequest, PlanInput
 
 RESIDUAL = 32          # newest tokens a quant layer keeps in the storage dtype

@@ -51,7 +51,7 @@ class EvictionPart:
     window: int | None = 32       # last prompt tokens, always kept; None: whatever the budget leaves after the sinks
     sink_tokens: int = 0          # leading prompt tokens always kept
     pool_kernel: int = 1          # 1-D avg-pool over scores (1 = none)
-    span_tokens: int = 0          # copy span after pooling (executor.scoring.spread); 0 = off
+    span_tokens: int = 0          # copy span after pooling (kvcore.scoring.spread); 0 = off
     gqa_mode: str = "mean"        # repeat (per query head) | mean (per KV head)
 
 

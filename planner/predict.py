@@ -11,7 +11,7 @@ Pooling and the copy span are left out: they decide among near-equal tokens, not
 `copy_retained_attention` asks more of a kept token: an answer read from the context is copied
 token by token from where the window's attention lands, so a token's attention only counts for
 the share of it and the `COPY` tokens after it that are kept (the same argument as the
-executor's copy span, `executor.scoring.spread`). Its kept tokens are the executor's own
+executor's copy span, `kvcore.scoring.spread`). Its kept tokens are the executor's own
 selection (pooling, copy span, GQA mode; KVCrush's representatives are counted as more
 top-ranked tokens, and a codebook layer's byte budget as that many tokens). A plan that keeps the attended tokens but drops what
 follows them — attention-score eviction on this small model — scores low here even where its
@@ -24,9 +24,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from executor import scoring
+from kvcore import scoring
 from kvplan.plan import CompressionPlan, Eviction
-from planner.probe import ProbeStats
+from kvcore.statistics import ProbeStats
 from planner.request import InvalidRequest, ModelShape
 
 COPY = 16   # tokens after an attended one that a copied answer may run over

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor import kvcrush, scoring
+from executor import kvcrush
+from kvcore import scoring
 from executor.attention import causal_attention
 from executor.layers.full import FullLayer, LayerContext
 from executor.layers.groups import DenseGroup, grown, index_dtype

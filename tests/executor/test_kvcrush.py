@@ -101,7 +101,7 @@ def test_select_splits_the_budget_between_base_picks_and_representatives():
 
 
 def test_select_without_representatives_is_plain_eviction():
-    from executor import scoring
+    from kvcore import scoring
     got = kvcrush.select(_scores(), _stats(), 11, 6, _ev(rep_fraction=0.0))
     assert got.reps.numel() == 0
     assert torch.equal(got.rows, scoring.select(_scores(), 11, 6, 1, 1, 1))

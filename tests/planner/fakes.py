@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.probe import BITS, FRACTIONS, Losses, ProbeStats
+from kvcore.statistics import BITS, FRACTIONS, Losses, ProbeStats
 
 
 def stats(m: int = 30, heads: int = 9, t: int = 4096, seed: int = 0) -> ProbeStats:

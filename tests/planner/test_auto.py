@@ -11,7 +11,8 @@ from executor.runner import Runner
 from kvplan.plan import Quant
 from planner import auto
 from planner.auto import RESIDUAL
-from planner.probe import QUANT_GROUP, Losses, Prober, ProbeStats
+from kvcore.statistics import QUANT_GROUP, Losses, ProbeStats
+from planner.probe import Prober
 from planner.request import InvalidRequest, ModelShape, PlanInput
 
 TOKENS = list(range(1000, 1200))      # 200 context tokens

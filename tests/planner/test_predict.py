@@ -4,7 +4,7 @@ import pytest
 
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant
 from planner.predict import annotate, copy_retained_attention, retained_attention
-from planner.probe import ProbeStats
+from kvcore.statistics import ProbeStats
 
 
 def _stats(scores):

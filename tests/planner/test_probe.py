@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planner.probe import Prober, angle, pooled, similar_share
+from kvcore.statistics import angle, pooled, similar_share
+from planner.probe import Prober
 from tests.planner.fakes import stats
 
 TOKENS = list(range(1000, 1070))     # 70 tokens
@@ -119,7 +120,7 @@ def test_quantization_loss_is_the_dequantized_attention():
     """Worked example: one head, values already on the 2-bit grid of their group, keys constant
     per channel: 2-bit quantization is exact (scale 1, zero 0) and the loss is 0; at 4 and 8 bits
     the grid step 3/15, 3/255 is not an fp16 number, so the loss is tiny but not 0."""
-    from planner.probe import layer_losses
+    from kvcore.statistics import layer_losses
     t, d = 32, 8
     v = torch.tensor([0.0, 1.0, 2.0, 3.0]).repeat(t, d // 4)[None]          # [1, T, D], groups of 8 = 2x(0..3)
     k = torch.ones(1, t, d)

@@ -1,7 +1,7 @@
 """Eviction scoring helpers on small worked examples."""
 import torch
 
-from executor import scoring
+from kvcore import scoring
 
 
 def test_spread_carries_a_peak_over_the_next_span_tokens():

@@ -1,0 +1,196 @@
+"""The statistics a plan is made from, per layer of a prompt's prefill: the window attention each
+token gets, the share of similar key/value rows, the angle between adjacent layers' rows, and —
+for `auto` — what each storage form would lose. The planner's probe computes them in a mini-prefill
+of its own; the executor's prefill computes the same from its cache at the context's last chunk
+(`LayerStatistics`), so a probing strategy needs no second prefill.
+
+- `window_scores` [m, H_e, T]: the attention the last `window` queries (post-RoPE) pay each
+  token, summed over the window, avg-pooled (`pool_kernel`) and normalised to sum 1 per
+  stored head (query heads in GQA `repeat` mode, KV heads — the group mean — in `mean`);
+- `k_similar`, `v_similar` [m]: the share of sampled token pairs whose pre-RoPE keys (values)
+  have cosine above 0.9 (0.6) — SpindleKV's observation statistic (spec App. B thresholds);
+- `k_angle`, `v_angle` [m-1]: the mean angular distance (arccos(cos)/π) between the same token's
+  pre-RoPE key (value) rows in layer i and i+1 — MiniCache's cue for which layers merge;
+- `Losses`: the relative error of the last `ERROR_QUERIES` queries' attention output when each
+  KV head keeps only a share of the context (SnapKV selection: group-mean window scores, pooled,
+  copy span), and when K/V are quantized (KIVI layout), each against the exact output; plus the
+  window attention mass the kept share retains."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvcore import scoring
+
+K_SIMILAR, V_SIMILAR = 0.9, 0.6     # the cosine thresholds of SpindleKV's observation plots
+FRACTIONS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.0)   # context share kept per KV head
+BITS = (16, 8, 4, 2)                # 16: the storage dtype, unquantized
+QUANT_GROUP = 32                    # KIVI group (tokens for K, channels for V)
+ERROR_QUERIES = 8                   # the window's last queries whose output errors are measured
+SINKS, SPAN, POOL = 4, 16, 7        # the selection the losses assume (auto's eviction part)
+
+
+@dataclass(frozen=True)
+class Losses:
+    """Per layer, the predicted relative output error of storage forms (see the module doc)."""
+    fractions: np.ndarray        # [F] context share kept per KV head (sinks and window always kept)
+    evict: np.ndarray            # [m, F] output error keeping that share, exact rows
+    retained: np.ndarray         # [m, F] window attention mass the kept tokens hold (group mean)
+    bits: np.ndarray             # [B] storage bits (16 = unquantized)
+    quant: np.ndarray            # [m, B] output error with every token quantized at those bits
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    tokens: int                  # T, the probed prompt's length
+    window_scores: np.ndarray    # [m, H_e, T] float32, each row sums to 1
+    k_similar: np.ndarray        # [m] share of sampled pre-RoPE key pairs with cosine > 0.9
+    v_similar: np.ndarray        # [m] the same for values (> 0.6)
+    k_angle: np.ndarray          # [m-1] mean angular distance of layer i and i+1 keys, in [0, 1]
+    v_angle: np.ndarray          # [m-1] the same for values
+    window: int = 32             # the observation window the scores came from
+    seconds: float = 0.0         # wall time of the probe
+    losses: Losses | None = None  # storage-form losses, when asked for
+
+
+def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """[H, T] -> [H, T], the executor's pooling (`kvcore.scoring.pool`), each row then
+    normalised to sum 1."""
+    scores = scoring.pool(scores, kernel)
+    return scores / scores.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Generator) -> float:
+    """x [H_kv, T, D] -> share of (row, other row) pairs with cosine > theta, over `sample`
+    sampled rows against 4·`sample` sampled rows (every pair when T is that small)."""
+    hk, t, _ = x.shape
+    if t < 2:
+        return 0.0
+    xn = F.normalize(x.float(), dim=-1)
+    rows = torch.randperm(t, generator=gen)[:min(sample, t)]                                  # [S]
+    cols = torch.randperm(t, generator=gen)[:min(4 * sample, t)]                              # [C]
+    cos = torch.einsum("hsd,hcd->hsc", xn[:, rows], xn[:, cols])                              # [H_kv, S, C]
+    other = rows[:, None] != cols[None, :]                                                    # [S, C] not itself
+    return float(((cos > theta) & other).float().sum() / (hk * other.sum()))
+
+
+def angle(a: torch.Tensor, b: torch.Tensor) -> float:
+    """a, b [H_kv, T, D]: the same tokens in two layers -> mean arccos(cos)/π over rows."""
+    cos = F.cosine_similarity(a.float(), b.float(), dim=-1).clamp(-1.0, 1.0)
+    return float(torch.arccos(cos).mean() / math.pi)
+
+
+def _output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q [H, Wq, D], k, v [H_kv, T, D], mask [H or 1, Wq, T] bool -> [H, Wq, D]."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None], scale=scaling,
+                                          enable_gqa=True)[0]
+
+
+def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30))
+
+
+def _dequantized(k: torch.Tensor, v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [H_kv, T, D] -> both through KIVI quantization at `bits` (K per channel over groups
+    of QUANT_GROUP tokens, V per token over groups of gcd(QUANT_GROUP, D) channels); the last
+    T mod QUANT_GROUP tokens stay exact, as a quant layer's full-precision tail does."""
+    from kernels import quantize_pack, unpack_dequantize
+    hk, t, d = k.shape
+    q_t = t - t % QUANT_GROUP
+    kq, vq = k.clone(), v.clone()
+    if q_t:
+        rows = k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t)                                  # [H_kv D, Q]
+        kq[:, :q_t] = unpack_dequantize(*quantize_pack(rows, bits, QUANT_GROUP), bits, QUANT_GROUP
+                                        ).view(hk, d, q_t).transpose(1, 2)
+        g = math.gcd(QUANT_GROUP, d)
+        vq[:, :q_t] = unpack_dequantize(*quantize_pack(v[:, :q_t].reshape(-1, d), bits, g), bits, g).view(hk, q_t, d)
+    return kq, vq
+
+
+def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_mass: torch.Tensor,
+                 scaling: float, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer: q_win [H, Wq, D] the last queries, k [H_kv, T, D] post-RoPE, v [H_kv, T, D],
+    window_mass [H, T] the window's attention -> (evict [F], retained [F], quant [B])."""
+    h, wq, _ = q_win.shape
+    hk, t, _ = k.shape
+    window = min(window, t)
+    sinks = min(SINKS, t - window)
+    n_ctx = t - window - sinks
+    causal = torch.arange(t)[None, :] <= torch.arange(t - wq, t)[:, None]                  # [Wq, T]
+    exact = _output(q_win, k, v, causal[None], scaling)
+    mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
+    mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    ranked = scoring.spread(scoring.pool(mass, POOL), SPAN)[:, sinks:t - window]            # [H_kv, n_ctx]
+    order = ranked.argsort(dim=-1, descending=True) + sinks                                 # best first
+    evict, retained = [], []
+    for f in FRACTIONS:
+        kept = torch.zeros(hk, t, dtype=torch.bool)
+        kept[:, :sinks] = True
+        kept[:, t - window:] = True
+        kept.scatter_(1, order[:, :round(f * n_ctx)], True)
+        mask = kept.repeat_interleave(h // hk, dim=0)[:, None, :] & causal[None]          # [H, Wq, T]
+        evict.append(_rel(_output(q_win, k, v, mask, scaling), exact))
+        retained.append(float((mass * kept).sum(-1).mean()))
+    quant = [0.0 if b == 16 else _rel(_output(q_win, *_dequantized(k, v, b), causal[None], scaling), exact)
+             for b in BITS]
+    return np.array(evict), np.array(retained), np.array(quant)
+
+
+@dataclass
+class LayerStatistics:
+    """Statistics gathered layer by layer, in order: `add` each layer's last queries and its
+    context's K/V, `result` the `ProbeStats`. window, pool_kernel, sample: as the probe's."""
+    gqa_mode: str
+    losses: bool
+    window: int = 32
+    pool_kernel: int = 7
+    sample: int = 256
+    seed: int = 0
+    _scores: list = field(default_factory=list)
+    _k_sim: list = field(default_factory=list)
+    _v_sim: list = field(default_factory=list)
+    _k_ang: list = field(default_factory=list)
+    _v_ang: list = field(default_factory=list)
+    _lost: list = field(default_factory=list)
+    _prev: tuple | None = None
+    _gen: torch.Generator | None = None
+    tokens: int = 0
+
+    def add(self, q_last: torch.Tensor, k_rot: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        """q_last: [H, W', D] the layer's last queries (post-RoPE; W' >= min(window, T) and
+        ERROR_QUERIES); k_rot, k_pre: [H_kv, T, D] its keys post- and pre-RoPE; v [H_kv, T, D]."""
+        if self._gen is None:
+            self._gen = torch.Generator().manual_seed(self.seed)
+        hk, t, _ = k_rot.shape
+        h = q_last.shape[0]
+        w = min(self.window, t)
+        self.tokens = t
+        s = scoring.window_scores(q_last[:, -w:], k_rot, scaling)                         # [H, T]
+        if self.losses:
+            self._lost.append(layer_losses(q_last[:, -min(ERROR_QUERIES, t):].float(), k_rot.float(), v.float(), s,
+                                           scaling, w))
+        if self.gqa_mode == "mean":
+            s = s.view(hk, h // hk, t).mean(1)
+        self._scores.append(pooled(s, self.pool_kernel))
+        self._k_sim.append(similar_share(k_pre, K_SIMILAR, self.sample, self._gen))
+        self._v_sim.append(similar_share(v, V_SIMILAR, self.sample, self._gen))
+        if self._prev is not None:
+            self._k_ang.append(angle(self._prev[0], k_pre))
+            self._v_ang.append(angle(self._prev[1], v))
+        self._prev = (k_pre, v)
+
+    def result(self, seconds: float = 0.0) -> "ProbeStats":
+        lost = self._lost
+        return ProbeStats(
+            tokens=self.tokens, window_scores=torch.stack(self._scores).numpy().astype(np.float32),
+            k_similar=np.array(self._k_sim, np.float32), v_similar=np.array(self._v_sim, np.float32),
+            k_angle=np.array(self._k_ang, np.float32), v_angle=np.array(self._v_ang, np.float32),
+            window=min(self.window, self.tokens), seconds=seconds,
+            losses=None if not self.losses else Losses(
+                fractions=np.array(FRACTIONS), evict=np.stack([x[0] for x in lost]),
+                retained=np.stack([x[1] for x in lost]), bits=np.array(BITS), quant=np.stack([x[2] for x in lost])),
+        )
