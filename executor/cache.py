@@ -62,6 +62,12 @@ class PlannedCache(Cache):
         """The longest observation window of any layer: the context's last chunk must hold it."""
         return max((lp.eviction.window for lp in self.plan.layers if lp.eviction), default=0)
 
+    def compress(self, queries: list[torch.Tensor], scaling: float) -> None:
+        """Compress every layer's dense context as the plan says, after its last chunk ran under
+        phase "stats": queries [m] of [H, W, D], each layer's last queries (`FullLayer.gather`)."""
+        for layer, q in zip(self.layers, queries):
+            layer.compress_now(q, scaling)
+
     def kv_bytes(self) -> int:
         """Bytes every tensor of every layer holds now."""
         return sum(t.nbytes for layer in self.layers for t in layer.tensors())

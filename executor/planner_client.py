@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvcore import defaults
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan, full_plan
 from kvplan.channels import aio_channel
@@ -33,7 +34,7 @@ class PlannerClient:
         self.deadline_s, self.deadline_per_1k_s = deadline_s, deadline_per_1k_s
         self.channel = aio_channel(address, options=channel_options())
         self.stub = planner_pb2_grpc.PlannerStub(self.channel)
-        self._known: list[str] | None = None
+        self._known: tuple[str, dict[str, planner_pb2.StrategyInfo]] | None = None
 
     async def close(self) -> None:
         await self.channel.close()
@@ -41,22 +42,39 @@ class PlannerClient:
     async def strategies(self) -> list[str] | None:
         """Known strategy names: the planner's, or the last it gave when it does not answer in
         time (so a name it never had is refused while it is down); None: never asked yet."""
+        got = await self._catalog()
+        return None if got is None else list(got[1])
+
+    async def strategy_for(self, named: str, budget: common_pb2.Budget) -> planner_pb2.StrategyInfo | None:
+        """The strategy a job will be planned with (its own, or the default its budget gets:
+        `kvcore.defaults`), as the planner last described it; None when unknown."""
+        got = await self._catalog()
+        if got is None:
+            return None
+        kind = budget.WhichOneof("kind")
+        name = defaults.strategy_for(named, got[0], budget.reserve_ratio if kind == "reserve_ratio" else None,
+                                     budget.kv_tokens if kind == "kv_tokens" else None)
+        return got[1].get(name)
+
+    async def _catalog(self) -> tuple[str, dict[str, planner_pb2.StrategyInfo]] | None:
+        """(active default, name -> StrategyInfo): the planner's, or the last it gave."""
         try:
             got = await self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=min(2.0, self.deadline_s))
         except grpc.aio.AioRpcError:
             return self._known
-        self._known = [s.name for s in got.strategies]
+        self._known = (got.active, {s.name: s for s in got.strategies})
         return self._known
 
     async def plan(self, job_id: str, tenant: str, strategy: str, budget: common_pb2.Budget, profile: str,
                    prompt_tokens: int, lm: LoadedModel, token_ids: list[int] | None = None,
-                   suffix_tokens: int = 0, new_tokens: int = 0) -> PlanOutcome:
+                   suffix_tokens: int = 0, new_tokens: int = 0, stats=None) -> PlanOutcome:
         """token_ids: the context's ids (prompt_tokens of them), for strategies that probe the
-        prompt; suffix_tokens, new_tokens: the rows the job adds after it (the budget holds them)."""
+        prompt; stats: instead, the statistics the executor's prefill gathered (`ProbeStatistics`);
+        suffix_tokens, new_tokens: the rows the job adds after it (the budget holds them)."""
         req = planner_pb2.PlanRequest(
             job_id=job_id, tenant=tenant, strategy=strategy, budget=budget, profile=profile,
             prompt_tokens=prompt_tokens, token_ids=token_ids or [],
-            suffix_tokens=suffix_tokens, new_tokens=new_tokens,
+            suffix_tokens=suffix_tokens, new_tokens=new_tokens, stats=stats,
             model=planner_pb2.ModelShape(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
                                          num_query_heads=lm.num_query_heads, head_dim=lm.head_dim,
                                          fingerprint=lm.fingerprint))

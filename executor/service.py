@@ -31,12 +31,12 @@ from executor.prompt import Prompt
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
+from kernels import quant_decode
 from kvplan import auth
 from kvplan import model as models
 from kvplan.config import ExecutorConfig, ModelConfig
 from kvplan.plan import full_plan
 from kvplan.serving import Service, set_health
-from planner.request import InvalidRequest
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 
@@ -58,7 +58,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     async def warmup(self) -> None:
         await self.backend.open()
         lm = await asyncio.to_thread(models.load, self.model_cfg)
-        self.engine = self._engine(lm)
+        self.engine = await asyncio.to_thread(self._engine, lm)
         self.cachestore = CachestoreClient(self.cfg.cachestore_addr, self.cfg.cachestore_transport)
         self.worker = Worker(self.cfg, self.backend, self.engine, self.planner, self.executor_id, self.cachestore)
         self._worker_task = asyncio.create_task(self.worker.run_forever())
@@ -86,6 +86,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         budget = KVBudget(cfg.kv_budget_bytes or default_budget(cfg.kv_budget_share))
         engine = LLMEngine(lm, dtype, budget, cfg.max_batched_tokens, cfg.max_seqs, cfg.prefill_chunk,
                            cfg.prefetch_wait_s)
+        quant_decode.warm(lm.head_dim, lm.num_query_heads // lm.num_kv_heads)     # compile before the first job
         full_4k = engine.reservation(full_plan(lm.num_layers, "sizing"), Prompt(list(range(4096)), []), Sampling(1))
         log.info("KV budget %.2f GiB%s: %d full-KV 4k-token jobs at once (at most %d jobs)", budget.total / 2**30,
                  "" if cfg.kv_budget_bytes else f" ({cfg.kv_budget_share:.0%} of the memory available)",

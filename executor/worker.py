@@ -11,6 +11,8 @@ writes nothing, its queue entry left un-acked for a live executor to re-claim.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import threading
 import time
@@ -25,6 +27,8 @@ from executor.jobqueue import PATIENCE, Claim, JobBackend, QueueUnavailable
 from executor.metrics import JOBS, QUEUE_DEPTH, observe_finished, observe_usage
 from executor.planner_client import PlanOutcome, PlannerClient
 from executor.report import job_result
+from kvcore import statistics
+from kvcore.statistics import LayerStatistics
 from kvplan.config import ExecutorConfig
 from planner.request import InvalidRequest
 from protos import executor_pb2 as pb
@@ -33,6 +37,7 @@ log = logging.getLogger("kvplan.executor.worker")
 
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 MAX_PLANNING = 2          # jobs claimed and being planned, or admitted-but-waiting, at once
+IDLE_WAIT_S = 0.05        # an engine with nothing runnable looks again after this, or at news
 INTAKE_PATIENCE_S = 5.0   # how long a claim retries an unreachable Redis before the loop looks again
 
 
@@ -50,9 +55,13 @@ class Job:
     seq: Sequence | None = None
     stop: threading.Event = field(default_factory=threading.Event)    # read by the engine thread
     lost: bool = False
+    failed: bool = False                          # stopped by an error of its own (status.error says it)
     tokens: int = 0
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list = field(default_factory=list)
+    plan_call: object = None                      # the Plan call, its job's fields bound (token_ids= or stats=)
+    request: pb.GenerateRequest | None = None
+    max_tokens: int = 0
 
 
 class Worker:
@@ -113,12 +122,17 @@ class Worker:
                 self._work.clear()
                 await self._work.wait()
                 continue
+            self._work.clear()
             try:
                 finished = await asyncio.to_thread(self.engine.step)
             except Exception:
                 log.exception("engine step failed; failing its jobs")
                 finished = self._fail_running()
             observe_usage(self.engine)
+            if not self.engine.stats.last[0] and not finished:
+                # nothing could run (jobs wait for a plan, or for room): wait for news, do not spin
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), IDLE_WAIT_S)
             for seq in finished:
                 job = self.jobs.get(seq.job_id)
                 if job is not None:
@@ -174,12 +188,18 @@ class Worker:
         checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
         prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
-        job.outcome = await self.planner.plan(job_id, req.tenant, req.strategy, req.budget, req.profile,
-                                              len(prompt.context_ids), lm, prompt.context_ids,
-                                              len(prompt.question_ids), checked.max_new_tokens)
-        plan = job.outcome.plan
         sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed, req.ignore_eos)
-        store = await self._open_store(job, req, plan, prompt.num_tokens + checked.max_new_tokens)
+        job.plan_call = functools.partial(self.planner.plan, job_id, req.tenant, req.strategy, req.budget, req.profile,
+                                          len(prompt.context_ids), lm, suffix_tokens=len(prompt.question_ids),
+                                          new_tokens=checked.max_new_tokens)
+        info = await self.planner.strategy_for(req.strategy, req.budget) if self.cfg.plan_from_prefill else None
+        statistics = LayerStatistics(info.probe_mode, info.probe_losses) if info and info.probe_mode else None
+        plan, store = None, None
+        if statistics is None:                        # the plan first: its strategy needs nothing of the prefill
+            job.outcome = await job.plan_call(token_ids=prompt.context_ids)
+            plan = job.outcome.plan
+            store = await self._open_store(job, req, plan, prompt.num_tokens + checked.max_new_tokens)
+        job.request, job.max_tokens = req, prompt.num_tokens + checked.max_new_tokens
         loop = asyncio.get_running_loop()
 
         def emit(kind: str, payload) -> None:                 # called from the engine thread
@@ -187,7 +207,8 @@ class Worker:
 
         try:
             return self.engine.sequence(prompt, plan, sampling, emit=emit, cancelled=job.stop.is_set, store=store,
-                                        ratio=_budget_ratio(req.budget, prompt.num_tokens), job_id=job_id)
+                                        ratio=_budget_ratio(req.budget, prompt.num_tokens), job_id=job_id,
+                                        statistics=statistics)
         except Exception:
             if store is not None:
                 await asyncio.to_thread(store.release)
@@ -200,6 +221,9 @@ class Worker:
         while True:
             kind, payload = await job.events.get()
             try:
+                if kind == "context":                 # its context is prefilled: plan it from what that gathered
+                    job.tasks.append(asyncio.create_task(self._plan_after(job, payload)))
+                    continue
                 if kind == "progress":
                     ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
                 else:
@@ -216,6 +240,24 @@ class Worker:
                 job.stop.set()
             finally:
                 job.events.task_done()
+
+    async def _plan_after(self, job: Job, stats) -> None:
+        """The plan of a job whose statistics its own prefill gathered; then the engine compresses it."""
+        try:
+            msg = await asyncio.to_thread(statistics.to_proto, stats)
+            job.outcome = await job.plan_call(stats=msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                        # refused, or the planner failed: the job fails, says why
+            log.warning("job %s: no plan for its statistics (%s)", job.claim.job_id, e)
+            job.status.error = str(e) if isinstance(e, InvalidRequest) else f"planning failed: {type(e).__name__}: {e}"
+            job.failed = True
+            job.stop.set()
+            self._work.set()
+            return
+        store = await self._open_store(job, job.request, job.outcome.plan, job.max_tokens)
+        self.engine.apply_plan(job.seq, job.outcome.plan, store)
+        self._work.set()
 
     async def _heartbeat(self, job: Job) -> None:
         while True:
@@ -244,12 +286,13 @@ class Worker:
                         "executor shutting down" if self._stopping.is_set() else "taken over by another executor")
             return await self._close(job, None)
         if seq.finish_reason == "cancelled":
-            return await self._close(job, pb.CANCELLED)
+            return await self._close(job, pb.FAILED if job.failed else pb.CANCELLED)
         if seq.finish_reason == "failed":
             job.status.error = job.status.error or "the engine step running it failed"
             return await self._close(job, pb.FAILED)
         run = run_result(seq)
-        result = job_result(run, seq, job.outcome, self.executor_id, self.engine.storage_dtype,
+        outcome = job.outcome or PlanOutcome(seq.plan, False)      # ended at its first token, before its plan
+        result = job_result(run, seq, outcome, self.executor_id, self.engine.storage_dtype,
                             job.status.submitted_at)
         job.status.result.CopyFrom(result)
         job.status.generated_tokens = result.generated_tokens

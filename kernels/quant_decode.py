@@ -28,7 +28,7 @@ _KERNELS: dict[tuple[int, int, int, int, int], object] = {}
 
 
 try:
-    import numba  # noqa: F401
+    import numba  # noqa: F401  (the kernel needs it)
     HAS_NUMBA = True
 except ImportError:            # the reference serves
     HAS_NUMBA = False
@@ -107,6 +107,22 @@ def attend_groups_cpu(rows: list[QuantRows], q: torch.Tensor, k_tails: list, v_t
 
 
 _ALL_SEEN = np.ones((1, 1), dtype=np.bool_)
+
+
+def warm(head_dim: int, heads: int, bits=(2, 4, 8), group: int = 32) -> None:
+    """Compile the kernels a service will run (a few seconds each), before the first job needs them."""
+    if not HAS_NUMBA:
+        return
+    for b in bits:
+        key = (b, group, math.gcd(group, head_dim), head_dim, heads)
+        if key not in _KERNELS:
+            _KERNELS[key] = _build(*key)
+            rows = torch.zeros(group, head_dim)
+            from kernels import quantize_pack
+            kc, ks, kz = quantize_pack(rows.T.contiguous(), b, group)
+            vc, vs, vz = quantize_pack(rows, b, key[2])
+            r = QuantRows(kc.view(1, head_dim, -1), ks.view(1, head_dim), kz.view(1, head_dim), vc, vs, vz, b)
+            attend_groups_cpu([r], torch.zeros(1, heads, head_dim), [rows[:1]], [rows[:1]], None, 1.0)
 
 
 def _f32(x: torch.Tensor) -> np.ndarray:

@@ -150,6 +150,7 @@ class LayerStatistics:
     pool_kernel: int = 7
     sample: int = 256
     seed: int = 0
+    keep_queries: int = 64       # the last queries an executor layer keeps to compress later (>= any plan's window)
     _scores: list = field(default_factory=list)
     _k_sim: list = field(default_factory=list)
     _v_sim: list = field(default_factory=list)
@@ -194,3 +195,58 @@ class LayerStatistics:
                 fractions=np.array(FRACTIONS), evict=np.stack([x[0] for x in lost]),
                 retained=np.stack([x[1] for x in lost]), bits=np.array(BITS), quant=np.stack([x[2] for x in lost])),
         )
+
+
+# -- on the wire (PlanRequest.stats) -------------------------------------------------------------
+def to_proto(stats: ProbeStats):
+    """-> `kvplan.v1.ProbeStatistics` (window scores per stored head of the mode they came in)."""
+    from protos import planner_pb2
+    msg = planner_pb2.ProbeStatistics(
+        tokens=stats.tokens, window=stats.window, heads=stats.window_scores.shape[1],
+        window_scores=stats.window_scores.astype("<f2").tobytes(), k_similar=stats.k_similar.tolist(),
+        v_similar=stats.v_similar.tolist(), k_angle=stats.k_angle.tolist(), v_angle=stats.v_angle.tolist())
+    lo = stats.losses
+    if lo is not None:
+        msg.losses.CopyFrom(planner_pb2.StorageLosses(
+            fractions=lo.fractions.tolist(), evict=lo.evict.ravel().tolist(), retained=lo.retained.ravel().tolist(),
+            bits=lo.bits.astype(int).tolist(), quant=lo.quant.ravel().tolist()))
+    return msg
+
+
+def from_proto(msg, num_layers: int, heads: int, tokens: int) -> ProbeStats:
+    """A `ProbeStatistics` checked against the job (ValueError naming the field) -> ProbeStats.
+    heads: the rows per layer the strategy's GQA mode scores (query heads in "repeat", KV heads
+    in "mean")."""
+    m, h = num_layers, heads
+    if msg.tokens != tokens:
+        raise ValueError(f"stats.tokens: {msg.tokens}, but the prompt has {tokens} tokens")
+    if msg.heads != h:
+        raise ValueError(f"stats.heads: {msg.heads} rows per layer, but the strategy scores {h} (its GQA mode)")
+    if not 0 < msg.window <= tokens:
+        raise ValueError(f"stats.window: must be in [1, {tokens}], got {msg.window}")
+    if len(msg.window_scores) != 2 * m * h * tokens:
+        raise ValueError(f"stats.window_scores: expected {m * h * tokens} fp16 values, got {len(msg.window_scores) / 2:g}")
+    for name, n in (("k_similar", m), ("v_similar", m), ("k_angle", m - 1), ("v_angle", m - 1)):
+        _sized(getattr(msg, name), n, f"stats.{name}")
+    scores = np.frombuffer(msg.window_scores, dtype="<f2").astype(np.float32).reshape(m, h, tokens)
+    if not np.isfinite(scores).all() or (scores < 0).any():
+        raise ValueError("stats.window_scores: must be finite and >= 0")
+    losses = None
+    if msg.HasField("losses"):
+        lo = msg.losses
+        f, b = len(lo.fractions), len(lo.bits)
+        for name, n in (("evict", m * f), ("retained", m * f), ("quant", m * b)):
+            _sized(getattr(lo, name), n, f"stats.losses.{name}")
+        arrays = [np.asarray(x, dtype=np.float64) for x in (lo.fractions, lo.evict, lo.retained, lo.quant)]
+        if not all(np.isfinite(a).all() for a in arrays) or not f or not b:
+            raise ValueError("stats.losses: must be finite and name fractions and bits")
+        losses = Losses(arrays[0], arrays[1].reshape(m, f), arrays[2].reshape(m, f), np.asarray(lo.bits),
+                        arrays[3].reshape(m, b))
+    return ProbeStats(tokens, scores, np.asarray(msg.k_similar, np.float32), np.asarray(msg.v_similar, np.float32),
+                      np.asarray(msg.k_angle, np.float32), np.asarray(msg.v_angle, np.float32), msg.window,
+                      losses=losses)
+
+
+def _sized(values, n: int, field: str) -> None:
+    if len(values) != n:
+        raise ValueError(f"{field}: expected {n} values, got {len(values)}")

@@ -136,8 +136,10 @@ class PlannerConfig(ServiceConfig):
 
     @property
     def max_receive_bytes(self) -> int:
-        """A PlanRequest's token ids (5 bytes each at most) and a definition, with room to spare."""
-        return min(self.max_message_mb << 20, 8 * self.max_tokens + (1 << 20))
+        """A PlanRequest's token ids (5 bytes each at most) or the prompt's statistics (fp16 window
+        scores: 2 bytes per layer, head and token — 64 layers of 32 heads allowed for), and a
+        definition, with room to spare."""
+        return min(self.max_message_mb << 20, 8 * self.max_tokens + 2 * 64 * 32 * self.max_tokens + (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,9 @@ class ExecutorConfig(ServiceConfig):
     max_batched_tokens: int = _env("KVPLAN_MAX_BATCHED_TOKENS", 512,
                                    "rows a step runs: every decode, then prefill chunks up to this (one always)")
     max_seqs: int = _env("KVPLAN_MAX_SEQS", 64, "most jobs one executor runs at once")
+    plan_from_prefill: bool = _env("KVPLAN_PLAN_FROM_PREFILL", True,
+                                   "a probing strategy plans from the statistics this executor's prefill gathers "
+                                   "(no second prefill in the planner); off: the planner probes the prompt")
     max_prompt_bytes: int = _env("KVPLAN_MAX_PROMPT_BYTES", 512 << 10,
                                  "most UTF-8 bytes of a job's prompt, messages and question (checked before tokenizing)")
     max_queued: int = _env("KVPLAN_MAX_QUEUED", 1000, "most jobs waiting or running, all tenants together")

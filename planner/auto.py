@@ -68,7 +68,7 @@ def strategy(d):
     """The Strategy of an `auto` definition (`planner.strategies.PLANNERS["auto"]`): probes in
     GQA `repeat` mode (the losses use each KV group's mean)."""
     from planner.strategies import Strategy
-    return Strategy(d.name, d.version or "1", d.description, plan, probe_mode="repeat", definition=d)
+    return Strategy(d.name, d.version or "1", d.description, plan, probe_mode="repeat", definition=d, probe_losses=True)
 
 
 def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:

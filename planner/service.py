@@ -24,6 +24,7 @@ from kvplan import auth
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
 from planner import predict, profiles, request
+from kvcore import defaults, statistics
 from planner.probe import in_mode, once
 from planner.active import open_active
 from planner.strategies import STRATEGIES, Strategy, build, parse
@@ -32,6 +33,8 @@ from protos import common_pb2, planner_pb2, planner_pb2_grpc
 log = logging.getLogger("kvplan.planner")
 PLANS = Counter("kvplan_planner_plans_total", "plans made", ["strategy"])
 PROBES = Counter("kvplan_planner_probes_total", "probes run", ["strategy"])
+GIVEN = Counter("kvplan_planner_given_statistics_total", "plans made from the executor's own prefill statistics",
+                ["strategy"])
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
@@ -59,7 +62,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             inp = dataclasses.replace(inp, strategy=strategy.name)
             if req.predict and not req.token_ids:
                 raise request.InvalidRequest("token_ids", "predict probes the prompt: send token_ids")
-            probe = self._probe(strategy.name, list(req.token_ids))
+            probe = self._given(req, inp, strategy) if req.HasField("stats") else \
+                self._probe(strategy.name, list(req.token_ids))
             inp, pending = await self._probing(strategy, inp, probe)
             plan = await asyncio.to_thread(strategy.plan, inp, f"plan-{uuid.uuid4().hex[:12]}")
             if req.predict:
@@ -98,9 +102,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         """The strategy of a job that names none: the active default, except that a budget which
         asks to compress while the default is `full` (which never compresses) gets `auto`, so
         `--ratio 0.2` alone is never silently a full cache."""
-        active = await self.active.get()
         ratio, tokens = request.validate_budget(budget)
-        return "auto" if active == "full" and (tokens is not None or ratio < 1.0) else active
+        return defaults.strategy_for("", await self.active.get(), ratio, tokens)
 
     async def DeleteStrategy(self, req: planner_pb2.DeleteStrategyRequest, context) -> planner_pb2.StrategyList:
         """Remove a custom definition (admin; the gate checks the role). When it was the active
@@ -167,6 +170,27 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         strategy = build(d)
         await self.active.define(d.name, d.to_json(), activate)
         return strategy
+
+    def _given(self, req: planner_pb2.PlanRequest, inp: request.PlanInput, strategy: Strategy):
+        """The job's statistics as the executor's prefill gathered them, as a probe would give them."""
+        if not strategy.probe_mode:
+            return None
+        m = inp.model
+        heads = m.num_query_heads if strategy.probe_mode == "repeat" else m.num_kv_heads
+        try:
+            stats = statistics.from_proto(req.stats, m.num_layers, heads, inp.prompt_tokens)
+        except ValueError as e:
+            field, _, message = str(e).partition(": ")
+            raise request.InvalidRequest(field, message) from None
+        GIVEN.labels(strategy.name).inc()
+
+        def probe(gqa_mode: str = strategy.probe_mode, losses: bool = False):
+            if gqa_mode != strategy.probe_mode or (losses and stats.losses is None):
+                raise request.InvalidRequest("stats", f"gathered in {strategy.probe_mode} mode"
+                                             f"{'' if stats.losses is not None else ' without losses'}; the "
+                                             f"strategy asks for {gqa_mode}{' with losses' if losses else ''}")
+            return stats
+        return probe
 
     def _probe(self, name: str, token_ids: list[int]):
         """This job's lazy probe (`planner.probe.once`; None without token ids)."""
@@ -237,7 +261,8 @@ def _known(strategies) -> str:
 
 
 def _info(s: Strategy, active: str) -> planner_pb2.StrategyInfo:
-    return planner_pb2.StrategyInfo(name=s.name, version=s.version, description=s.description, active=s.name == active)
+    return planner_pb2.StrategyInfo(name=s.name, version=s.version, description=s.description, active=s.name == active,
+                                    probe_mode=s.probe_mode or "", probe_losses=s.probe_losses)
 
 
 def build_service(cfg: PlannerConfig, prober=None) -> Service:

@@ -32,6 +32,7 @@ class Strategy:
     plan: Callable[[PlanInput, str], CompressionPlan]   # (input, plan_id) -> plan
     probe_mode: str | None = None                       # GQA mode of the probe it calls; None: it never probes
     definition: Definition | None = None
+    probe_losses: bool = False                          # it asks the probe for storage-form losses
 
 
 def composed(d: Definition) -> Strategy:

@@ -22,7 +22,7 @@ class ModelShape(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens")
+    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens", "stats")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class PlanRequest(_message.Message):
     PREDICT_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tenant: str
     strategy: str
@@ -45,23 +46,64 @@ class PlanRequest(_message.Message):
     predict: bool
     suffix_tokens: int
     new_tokens: int
-    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ...) -> None: ...
+    stats: ProbeStatistics
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., stats: _Optional[_Union[ProbeStatistics, _Mapping]] = ...) -> None: ...
+
+class ProbeStatistics(_message.Message):
+    __slots__ = ("tokens", "window", "heads", "window_scores", "k_similar", "v_similar", "k_angle", "v_angle", "losses")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    K_SIMILAR_FIELD_NUMBER: _ClassVar[int]
+    V_SIMILAR_FIELD_NUMBER: _ClassVar[int]
+    K_ANGLE_FIELD_NUMBER: _ClassVar[int]
+    V_ANGLE_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    window: int
+    heads: int
+    window_scores: bytes
+    k_similar: _containers.RepeatedScalarFieldContainer[float]
+    v_similar: _containers.RepeatedScalarFieldContainer[float]
+    k_angle: _containers.RepeatedScalarFieldContainer[float]
+    v_angle: _containers.RepeatedScalarFieldContainer[float]
+    losses: StorageLosses
+    def __init__(self, tokens: _Optional[int] = ..., window: _Optional[int] = ..., heads: _Optional[int] = ..., window_scores: _Optional[bytes] = ..., k_similar: _Optional[_Iterable[float]] = ..., v_similar: _Optional[_Iterable[float]] = ..., k_angle: _Optional[_Iterable[float]] = ..., v_angle: _Optional[_Iterable[float]] = ..., losses: _Optional[_Union[StorageLosses, _Mapping]] = ...) -> None: ...
+
+class StorageLosses(_message.Message):
+    __slots__ = ("fractions", "evict", "retained", "bits", "quant")
+    FRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    QUANT_FIELD_NUMBER: _ClassVar[int]
+    fractions: _containers.RepeatedScalarFieldContainer[float]
+    evict: _containers.RepeatedScalarFieldContainer[float]
+    retained: _containers.RepeatedScalarFieldContainer[float]
+    bits: _containers.RepeatedScalarFieldContainer[int]
+    quant: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, fractions: _Optional[_Iterable[float]] = ..., evict: _Optional[_Iterable[float]] = ..., retained: _Optional[_Iterable[float]] = ..., bits: _Optional[_Iterable[int]] = ..., quant: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ListStrategiesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StrategyInfo(_message.Message):
-    __slots__ = ("name", "version", "description", "active")
+    __slots__ = ("name", "version", "description", "active", "probe_mode", "probe_losses")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_MODE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_LOSSES_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     description: str
     active: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., active: _Optional[bool] = ...) -> None: ...
+    probe_mode: str
+    probe_losses: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., active: _Optional[bool] = ..., probe_mode: _Optional[str] = ..., probe_losses: _Optional[bool] = ...) -> None: ...
 
 class StrategyList(_message.Message):
     __slots__ = ("strategies", "active")

@@ -23,11 +23,12 @@ from executor import offload_budget
 from executor.engine.kv_budget import KVBudget, Usage
 from executor.engine.model_runner import ModelRunner
 from executor.engine.scheduler import Scheduler
-from executor.engine.sequence import Sampling, Sequence, prefill_parts
+from executor.engine.sequence import Sampling, Sequence, Status, prefill_parts
 from executor.prompt import Prompt
 from kvcore import plan_cost
+from kvcore.statistics import LayerStatistics
 from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan
+from kvplan.plan import CompressionPlan, full_plan
 
 log = logging.getLogger("kvplan.executor.engine")
 
@@ -74,6 +75,7 @@ class LLMEngine:
         self.runner = ModelRunner(lm, storage_dtype)
         self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm))
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self.plans: queue.SimpleQueue[tuple] = queue.SimpleQueue()   # (PLANNING sequence, its plan, its store)
         self.usage = Usage(0, 0, budget.total)
         self.stats = StepStats()
 
@@ -103,11 +105,17 @@ class LLMEngine:
     def sequence(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling, *,
                  emit: Callable[[str, object], None] = lambda kind, x: None,
                  cancelled: Callable[[], bool] = lambda: False, store=None, ratio: float | None = None,
-                 prefix=None, measure_recall: bool = False, job_id: str = "") -> Sequence:
+                 prefix=None, measure_recall: bool = False, job_id: str = "",
+                 statistics: LayerStatistics | None = None) -> Sequence:
         """A job's sequence. Offload plans: `store` is its cachestore handle (None: an in-process
         one, released when it ends) and `ratio` the reserve ratio its offload part is fitted to.
         `prefix`: the prompt's leading chunks already prefilled (`executor.runner.Prefix`).
+        `statistics`: the plan comes after the context — its prefill runs dense (reserving what
+        the uncompressed job holds), its last chunk gathers these statistics, the sequence emits
+        ("context", ProbeStats) and waits in PLANNING for `apply_plan`; `plan` is ignored.
         Raises `OverBudget` when its reservation exceeds the whole budget."""
+        if statistics is not None:                   # dense until the context's end, then the plan they ask for
+            plan = full_plan(self.lm.num_layers, "before-plan")
         plan = self.fit(plan, prompt, sampling, ratio)
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, prompt, sampling))
         own = store is None and plan.offload.enabled
@@ -116,7 +124,11 @@ class LLMEngine:
         cache.state.context_tokens = len(prompt.context_ids)
         cache.state.wait_s = self.prefetch_wait_s
         cache.state.recall = [] if plan.offload.enabled and measure_recall else None
-        parts = prefill_parts(prompt, self.chunk, cache.max_window)
+        if statistics is not None:
+            cache.state.stats, cache.state.queries = statistics, []
+            parts = prefill_parts(prompt, self.chunk, statistics.keep_queries, last="stats")
+        else:
+            parts = prefill_parts(prompt, self.chunk, cache.max_window)
         done = 0
         if prefix is not None and prefix.parts and prefix.seeds(cache, [(p.start, p.start + len(p.ids)) for p in parts]):
             for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
@@ -125,20 +137,45 @@ class LLMEngine:
         need = self.reservation(plan, prompt, sampling)
         self.budget.check_fits_at_all(need)
         return Sequence(prompt, plan, sampling, cache, parts, self.lm.tokenizer, emit, cancelled, store, job_id,
-                        reserved=need, done_tokens=done, own_store=own)
+                        planned_after=statistics is not None, reserved=need, done_tokens=done, own_store=own)
 
     def add(self, seq: Sequence) -> None:
         """Hand a sequence to the engine (any thread); it waits until its reservation fits."""
         self.inbox.put(seq)
 
+    def apply_plan(self, seq: Sequence, plan: CompressionPlan, store=None) -> None:
+        """Hand a PLANNING sequence its plan (any thread): the next step compresses its cache."""
+        self.plans.put((seq, plan, store))
+
+    def _apply_plan(self, seq: Sequence, plan: CompressionPlan, store) -> None:
+        """The dense context into a cache shaped by `plan`, compressed with the queries its last
+        chunk kept: the same cache the plan would have made compressing at that chunk."""
+        if seq.status is not Status.PLANNING:
+            return                                       # ended meanwhile (cancelled, or done at its first token)
+        dense = seq.cache
+        plan = self.fit(plan, seq.prompt, seq.sampling, None)
+        plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
+        if plan.offload.enabled and store is None:
+            store, seq.own_store = LocalHandle(), True
+        cache = self.runner.new_cache(plan, store)
+        cache.state.context_tokens, cache.state.wait_s = dense.state.context_tokens, self.prefetch_wait_s
+        for layer, old in zip(cache.layers, dense.layers):
+            layer.seed(old.keys, old.values, self.lm.model.dtype)
+        with torch.inference_mode():
+            cache.compress(dense.state.queries, self.runner.scaling)
+        seq.cache, seq.plan, seq.store = cache, plan, store
+        self.scheduler.planned(seq)
+
     def has_work(self) -> bool:
-        return not self.inbox.empty() or not self.scheduler.is_finished()
+        return not self.inbox.empty() or not self.plans.empty() or not self.scheduler.is_finished()
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One step of every admitted sequence -> those that finished in it."""
         while not self.inbox.empty():
             self.scheduler.add(self.inbox.get())
+        while not self.plans.empty():
+            self._apply_plan(*self.plans.get())
         t0, self.stats.last = time.perf_counter(), ("", 0.0, 0)
         segments = self.scheduler.schedule()
         outputs = self.runner.run(segments) if segments else []

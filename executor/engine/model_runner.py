@@ -22,6 +22,7 @@ class ModelRunner:
     def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype):
         self.lm, self.storage_dtype = lm, storage_dtype
         lm.model.set_attn_implementation(attention.register())     # every layer attends through its cache
+        self.scaling = float(lm.model.model.layers[0].self_attn.scaling)     # softmax scale of every layer
 
     def new_cache(self, plan: CompressionPlan, store=None) -> PlannedCache:
         lm = self.lm

@@ -102,9 +102,16 @@ class Scheduler:
                 seq.emit("progress", (seq.done_tokens, seq.prompt.num_tokens))
                 if seg.phase == "compress":
                     self._tighten(seq)
-                if seq.parts:
+                if seg.phase == "stats":              # the plan comes now: it waits for it
+                    seq.status = Status.PLANNING
+                    seq.emit("context", seq.cache.state.stats.result())
+                    if seq.parts:
+                        continue
+                    seq.t_prefilled = time.perf_counter()      # its first token does not wait for the plan
+                elif seq.parts:
                     continue
-                seq.status, seq.t_prefilled = Status.DECODE, time.perf_counter()
+                else:
+                    seq.status, seq.t_prefilled = Status.DECODE, time.perf_counter()
             else:
                 seq.guess = out.guess
                 if seg.phase == "predecode":
@@ -123,6 +130,12 @@ class Scheduler:
         seq.append(tok)
         if len(seq.generated) >= seq.sampling.max_new_tokens:
             seq.finish("length")
+
+    def planned(self, seq: Sequence) -> None:
+        """A sequence's plan came and its cache is compressed: tighten its reservation, go on."""
+        self._tighten(seq)
+        if seq.status is Status.PLANNING:
+            seq.status = Status.PREFILL if seq.parts else Status.DECODE
 
     def _tighten(self, seq: Sequence) -> None:
         """The context is compressed: reserve what the cache holds plus the most it can grow to

@@ -25,6 +25,7 @@ from kvplan.plan import CompressionPlan
 class Status(enum.Enum):
     WAITING = "waiting"
     PREFILL = "prefill"
+    PLANNING = "planning"        # its context prefilled dense, waiting for the plan its statistics ask for
     DECODE = "decode"
     FINISHED = "finished"
 
@@ -58,13 +59,13 @@ def chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:
     return spans
 
 
-def prefill_parts(prompt: Prompt, chunk: int, min_last: int, skip: int = 0) -> list[Part]:
+def prefill_parts(prompt: Prompt, chunk: int, min_last: int, skip: int = 0, last: str = "compress") -> list[Part]:
     """The prompt's prefill as parts: the context in `chunk`-token spans (the last one holding at
-    least `min_last`), then the question in `chunk`-token spans. Fixed per sequence, whatever it
-    is batched with, so a job's arithmetic is the same alone or batched. `skip`: context spans
-    already prefilled (a seeded prefix)."""
+    least `min_last`, under phase `last`), then the question in `chunk`-token spans. Fixed per
+    sequence, whatever it is batched with, so a job's arithmetic is the same alone or batched.
+    `skip`: context spans already prefilled (a seeded prefix)."""
     ctx, n = prompt.context_ids, len(prompt.context_ids)
-    parts = [Part(tuple(ctx[a:b]), a, "compress" if b == n else "context")
+    parts = [Part(tuple(ctx[a:b]), a, last if b == n else "context")
              for a, b in chunks(n, chunk, min_last)[skip:]]
     q = prompt.question_ids
     parts += [Part(tuple(q[a:a + chunk]), n + a, "after") for a in range(0, len(q), chunk)]
@@ -86,6 +87,7 @@ class Sequence:
     cancelled: Callable[[], bool] = lambda: False
     store: object | None = None                        # cachestore.handle.JobHandle (offload plans)
     job_id: str = ""
+    planned_after: bool = False                        # its plan comes after the context (statistics sent)
     own_store: bool = False                            # the engine releases the store when it ends
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING

@@ -173,6 +173,10 @@ class EvictedLayer(FullLayer):
             return Kept(kvcrush.select(scores, head_scores, t, keep, ev).rows, self.repeat)
         return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, self.stored_heads), self.repeat)
 
+    def compress_now(self, q: torch.Tensor, scaling: float) -> None:
+        """q: [H, W, D] the context's last queries; the dense context is this layer's own."""
+        self.compress_context(q, self.keys[0].to(q.dtype), self.values[0].to(q.dtype), scaling)
+
     def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """q: [H, Tq, D] the context's last chunk; k, v: [H_kv, T, D] the whole context."""
         t = k.shape[1]

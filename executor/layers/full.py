@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from executor.attention import causal_attention
+from kernels.rope_reconstruct import unrotate_rope
 from kvcore import cost
 from kvplan.plan import LayerPlan
 
@@ -16,13 +17,17 @@ from kvplan.plan import LayerPlan
 class CacheState:
     """Where the job is, shared by the cache's layers; set by the runner.
     phase: "context" (prefilling the part to compress), "compress" (its last chunk: layers
-    compress right after their attention), "after" (question and decode); with an offload plan
-also "predecode" and "spec" (`executor.layers.offload`)."""
+    compress right after their attention), "stats" (its last chunk when the plan comes after it:
+    layers gather the plan's statistics and keep their last queries, `PlannedCache.compress`
+    compresses later), "after" (question and decode); with an offload plan also "predecode" and
+    "spec" (`executor.layers.offload`)."""
     phase: str = "context"
     context_tokens: int = 0
     step: int = 0                     # decode step of an offload plan ("predecode" is 0)
     wait_s: float = 0.0               # how long an offload layer waits for a late prefetch
     recall: list | None = None        # offload layers append their prefetch recall here when set
+    stats: object | None = None       # phase "stats": a `kvcore.statistics.LayerStatistics` each layer adds to
+    queries: list | None = None       # phase "stats": each layer's last queries [H, W, D], kept to compress later
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,24 @@ class FullLayer(DynamicLayer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q: [B, H, Tq, D]; k, v: [B, H_kv, T, D] -> [B, Tq, H, D], causal."""
-        return causal_attention(q, k, v, scaling)
+        out = causal_attention(q, k, v, scaling)
+        if self.ctx.state.phase == "stats":
+            self.gather(q, k, v, scaling)
+        return out
+
+    def gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        """The context's last chunk, before any plan: add this layer's statistics (q: [1, H, Tq, D]
+        the chunk's queries; k, v: [1, H_kv, T, D] the whole context, post-RoPE keys) and keep its
+        last queries for the compression the plan brings (`compress_now`)."""
+        state = self.ctx.state
+        keep = state.stats.keep_queries
+        k_pre = unrotate_rope(k[0].float(), torch.arange(k.shape[2]), *self.ctx.rope)
+        state.stats.add(q[0, :, -keep:], k[0], k_pre, v[0], scaling)
+        state.queries.append(q[0, :, -keep:].clone())
+
+    def compress_now(self, q: torch.Tensor, scaling: float) -> None:
+        """Compress the dense context this layer holds as its plan says (q: [H, W, D] the context's
+        last queries, kept by `gather`). A full layer keeps everything."""
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer holds (what `kv_bytes` counts): the whole storage."""

@@ -193,6 +193,12 @@ class MergeLayer(FullLayer):
         return out
 
     # -- merging ---------------------------------------------------------------------------------
+    def compress_now(self, q: torch.Tensor, scaling: float) -> None:
+        """The upper layer merges the pair's dense context (the lower one, earlier in the cache,
+        waits for it)."""
+        if self.upper and not self.merged:
+            self.merge_context()
+
     def merge_context(self) -> None:
         """Merge the pair's dense context K/V (both layers [1, H_kv, T, D], storage dtype) and drop
         both dense copies."""

@@ -73,6 +73,10 @@ class OffloadLayer(FullLayer):
         return self._exact(q, scaling)
 
     # -- prefill ---------------------------------------------------------------------------------
+    def compress_now(self, q: torch.Tensor, scaling: float) -> None:
+        if not self.compressed:
+            self._offload_context()
+
     def _offload_context(self) -> None:
         k, v = self.keys[0], self.values[0]                                   # [H_kv, T, D] storage dtype
         self.store.put(self.plan.layer, k, v)

@@ -177,3 +177,19 @@ def test_every_strategy_runs_a_real_job_through_grpc(client, name):
         assert all(x.kind == "offload" for x in r.per_layer)
     else:
         assert not r.HasField("offload")
+
+
+def test_auto_plans_from_the_executors_own_prefill_without_a_second_one(client):
+    """A probing strategy's job: the executor's prefill gathers the statistics, the planner plans
+    from them and probes nothing (KVPLAN_PLAN_FROM_PREFILL, the default)."""
+    from prometheus_client import REGISTRY
+    from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
+
+    def count(name):
+        return REGISTRY.get_sample_value(name, {"strategy": "auto"}) or 0.0
+    probes, given = count("kvplan_planner_probes_total"), count("kvplan_planner_given_statistics_total")
+    st = client.run(request(DEMO_CONTEXT, question=DEMO_QUESTION, max_new_tokens=8, strategy="auto",
+                            reserve_ratio=0.3))
+    r = st.result
+    assert r.strategy == "auto" and not r.degraded and r.reserve_ratio <= 0.3 and r.generated_tokens >= 1
+    assert count("kvplan_planner_probes_total") == probes and count("kvplan_planner_given_statistics_total") == given + 1

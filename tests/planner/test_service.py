@@ -322,3 +322,35 @@ async def test_profiles_are_shared_by_replicas_through_redis(redis_db):
     finally:
         await _close(*a[:3])
         await _close(*b[:3])
+
+
+async def test_a_plan_from_the_executors_statistics_runs_no_probe():
+    """auto planned from statistics the executor's prefill gathered: the same plan as from the
+    planner's own probe of them, and no probe; the strategies say who needs which statistics."""
+    from kvcore import statistics
+    from tests.planner import fakes
+    prober = CountingProbe()
+    server, svc, ch, stub = await _planner(prober=prober)
+    try:
+        listed = {s.name: s for s in (await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)).strategies}
+        assert (listed["auto"].probe_mode, listed["auto"].probe_losses) == ("repeat", True)
+        assert (listed["xkv"].probe_mode, listed["xkv"].probe_losses) == ("mean", False)
+        assert listed["snapkv"].probe_mode == ""
+        probed = CompressionPlan.from_proto(await stub.Plan(_ratio_req(token_ids=list(range(4096))), timeout=10))
+        assert len(prober.calls) == 1
+        given = CompressionPlan.from_proto(await stub.Plan(_ratio_req(stats=statistics.to_proto(fakes.stats())),
+                                                           timeout=10))
+        assert len(prober.calls) == 1 and given.layers == probed.layers
+        for mutate, field in ((lambda m: setattr(m, "tokens", 4000), "stats.tokens"),
+                              (lambda m: setattr(m, "window_scores", m.window_scores[:-2]), "stats.window_scores"),
+                              (lambda m: m.losses.quant.__setitem__(0, float("nan")), "stats.losses"),
+                              (lambda m: m.ClearField("losses"), "stats")):
+            msg = statistics.to_proto(fakes.stats())
+            mutate(msg)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Plan(_ratio_req(stats=msg), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field), \
+                e.value.details()
+        assert len(prober.calls) == 1
+    finally:
+        await _close(server, svc, ch)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling, Status
+from kvcore.statistics import LayerStatistics
 from executor.prompt import Prompt
 from executor.runner import Runner
 from kvplan.plan import (Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant,
@@ -161,3 +162,32 @@ def test_ignore_eos_generates_max_new_tokens_past_the_end_token(tiny_model):
     engine.run_all()
     assert stops.finish_reason == "eos" and stops.generated == []
     assert goes_on.finish_reason == "length" and len(goes_on.generated) == 6 and goes_on.generated[0] == first
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv-repeat", "snapkv-mean", "codebook", "quant", "merge", "offload"])
+def test_a_plan_that_comes_after_the_context_compresses_the_same_cache(tiny_model, name):
+    """The plan from the executor's own prefill statistics: the context runs dense, its last chunk
+    gathers the statistics, the plan arrives and compresses the cache with the queries that chunk
+    kept — the same tokens and bytes as the plan given first and compressing inside that chunk."""
+    _, plan, prompt = next(j for j in _jobs(tiny_model.num_layers) if j[0] == name)
+    first = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefill_chunk=32, prefetch_wait_s=30.0)
+    a = first.sequence(prompt, plan, Sampling(10))
+    first.add(a)
+    first.run_all()
+    after = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefill_chunk=32, prefetch_wait_s=30.0)
+    got = {}
+    b = after.sequence(prompt, None, Sampling(10), emit=lambda k, x: got.setdefault(k, x),
+                       statistics=LayerStatistics("repeat", losses=True))
+    after.add(b)
+    while b.status is not Status.PLANNING:
+        after.step()
+    assert b.cache.plan.strategy == "full" and after.has_work()
+    stats = got["context"]
+    assert stats.tokens == len(prompt.context_ids) and stats.window_scores.shape == (2, 4, stats.tokens)
+    assert stats.losses is not None and stats.losses.evict.shape[0] == tiny_model.num_layers
+    for _ in range(3):
+        after.step()                                  # it waits: nothing of it runs
+    assert b.status is Status.PLANNING and b.steps == 0
+    after.apply_plan(b, plan)
+    after.run_all()
+    assert b.generated == a.generated and b.cache.layer_bytes() == a.cache.layer_bytes()

@@ -57,3 +57,35 @@ def test_jobs_of_five_strategies_are_the_same_alone_or_batched(real_model):
         assert seq.generated == solo[name].token_ids, name
         assert seq.cache.layer_bytes() == solo[name].layers, name
     assert all(len(r.token_ids) >= 1 and r.text for r in solo.values())
+
+
+def test_statistics_from_the_executors_prefill_give_the_probes_plan(real_model):
+    """auto planned from what the executor's own prefill gathered (fp16 cache, chunked) and from
+    the planner's probe of the same prompt (fp32, one pass): statistics within stated tolerances
+    and the same plan at 0.5, 0.2 and 0.1."""
+    import numpy as np
+    from bench.cases import fidelity_document
+    from executor.prompt import Prompt
+    from kvcore.statistics import LayerStatistics
+
+    lm = real_model
+    ids = fidelity_document(lm.tokenizer, 1500)
+    probed = Prober(lm=lm).probe(ids, "repeat", losses=True)
+    engine = LLMEngine(lm, torch.float16, KVBudget(1 << 40))
+    got = {}
+    seq = engine.sequence(Prompt(ids, []), None, Sampling(4), emit=lambda k, x: got.setdefault(k, x),
+                          statistics=LayerStatistics("repeat", losses=True))
+    engine.add(seq)
+    while seq.status is not Status.PLANNING:
+        engine.step()
+    ours = got["context"]
+    assert np.abs(ours.window_scores - probed.window_scores).sum(-1).max() < 0.01      # per row, rows sum to 1
+    assert np.abs(ours.losses.evict - probed.losses.evict).max() < 0.01
+    assert np.abs(ours.losses.retained - probed.losses.retained).max() < 0.01
+    assert np.abs(ours.losses.quant - probed.losses.quant).max() < 0.05
+    assert np.abs(ours.k_angle - probed.k_angle).max() < 1e-3
+    shape = ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
+    for ratio in (0.5, 0.2, 0.1):
+        plans = [STRATEGIES["auto"].plan(PlanInput("t", "auto", len(ids), shape, reserve_ratio=ratio, new_tokens=64,
+                                                   probe=lambda st=st, **kw: st), "p") for st in (probed, ours)]
+        assert plans[0].layers == plans[1].layers, ratio
