@@ -12,7 +12,7 @@ from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan, full_plan
 from kvplan.channels import aio_channel
 from kvplan.serving import channel_options
-from planner.request import InvalidRequest
+from kvcore.request import InvalidRequest
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger("kvplan.executor.planner")

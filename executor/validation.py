@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from executor.prompt import Prompt
-from planner.request import InvalidRequest, validate_budget
+from kvcore.request import InvalidRequest, validate_budget
 from protos import executor_pb2
 
 ROLES = ("system", "user", "assistant")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor import offload_budget
+from kvcore import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts

@@ -5,15 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvcore.request import InvalidRequest, validate_budget  # noqa: F401  (planner code imports them here)
 from protos import planner_pb2
-
-
-class InvalidRequest(ValueError):
-    """Bad input; `field` names the request field at fault."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -50,21 +43,6 @@ class PlanInput:
         if self.reserve_ratio is not None:
             return self.reserve_ratio
         return min(1.0, self.kv_tokens / max(1, self.prompt_tokens))
-
-
-def validate_budget(budget, field: str = "budget") -> tuple[float | None, int | None]:
-    """(reserve_ratio, kv_tokens) from a `kvplan.v1.Budget`; unset means reserve_ratio 1.0."""
-    kind = budget.WhichOneof("kind")
-    if kind == "kv_tokens":
-        if budget.kv_tokens < 1:
-            raise InvalidRequest(f"{field}.kv_tokens", f"must be >= 1, got {budget.kv_tokens}")
-        return None, int(budget.kv_tokens)
-    if kind == "reserve_ratio":
-        r = budget.reserve_ratio
-        if not 0.0 < r <= 1.0:
-            raise InvalidRequest(f"{field}.reserve_ratio", f"must be in (0, 1], got {r:g}")
-        return float(r), None
-    return 1.0, None
 
 
 # The largest model a plan request may describe (SmolLM2-135M: 30 layers, 9/3 heads, head dim 64;

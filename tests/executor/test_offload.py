@@ -1,5 +1,5 @@
 """The `offload` layer (SpeCache): the low-bit copy, speculative decoding over it with prefetched
-exact rows, the budget fit, byte accounting, and a store lost mid-job (degraded, not failed)."""
+exact rows, byte accounting, and a store lost mid-job (degraded, not failed)."""
 import dataclasses
 
 import pytest
@@ -7,10 +7,11 @@ import torch
 
 import kernels
 from cachestore.handle import LocalHandle, StoreUnavailable, Unavailable
-from executor import offload_budget
-from executor.layers.lowbit import LowBitKV, lowbit_bytes
+from executor.layers.lowbit import LowBitKV
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
+from kvcore import offload_budget
+from kvcore.cost import lowbit_bytes
 from kvplan.plan import OffloadPlan, full_plan
 
 PROMPT = Prompt(list(range(100, 171)), [])          # 71 tokens
@@ -159,21 +160,6 @@ def test_decode_scores_from_the_codes_equal_scores_over_the_dequantized_rows(tin
     assert torch.allclose(layer._scores(q, fetched, nk), torch.einsum("hrd,hld->hrl", q, k), atol=1e-4)
     assert torch.equal(layer._values(torch.float32, fetched, nv), v)
     store.release()
-
-
-def test_budget_fit_prefers_wider_prefetch_then_window():
-    off = OffloadPlan(enabled=True, low_bits=2, group_size=32, top_k=64, recent_window=64)
-    roomy = offload_budget.fit(off, 0.5, 4096, 32, 64)
-    assert (roomy.top_k, roomy.recent_window, roomy.group_size, roomy.value_group_size) == (64, 64, 32, 64)
-    tight = offload_budget.fit(off, 0.2, 2048, 32, 64)
-    assert offload_budget.ratio(tight, 2048, 32, 64) <= 0.2 and tight.group_size == 32
-    # keys per channel over 32 tokens (16 code + 8 scale bytes a token and head at 2 bits), values
-    # per token (16 + 4), up to 35 fp16 keys and 4 values in the window, 32 prefetched rows: 0.2 at 2k
-    assert (tight.top_k, tight.recent_window, tight.value_group_size) == (32, 4, 64)
-    hopeless = offload_budget.fit(off, 0.05, 2048, 32, 64)     # nothing fits: the floor, reported as is
-    assert offload_budget.ratio(hopeless, 2048, 32, 64) > 0.05
-    assert hopeless.top_k == 32 and hopeless.recent_window <= 1
-    assert offload_budget.fit(off, None, 2048, 32, 64) == off
 
 
 class DiesAfter(LocalHandle):
