@@ -53,7 +53,7 @@ class PlannerClient:
             return None
         kind = budget.WhichOneof("kind")
         name = defaults.strategy_for(named, got[0], budget.reserve_ratio if kind == "reserve_ratio" else None,
-                                     budget.kv_tokens if kind == "kv_tokens" else None)
+                                     budget.kv_tokens if kind == "kv_tokens" else None, kind == "adaptive")
         return got[1].get(name)
 
     async def _catalog(self) -> tuple[str, dict[str, planner_pb2.StrategyInfo]] | None:
@@ -67,14 +67,15 @@ class PlannerClient:
 
     async def plan(self, job_id: str, tenant: str, strategy: str, budget: common_pb2.Budget, profile: str,
                    prompt_tokens: int, lm: LoadedModel, token_ids: list[int] | None = None,
-                   suffix_tokens: int = 0, new_tokens: int = 0, stats=None) -> PlanOutcome:
+                   suffix_tokens: int = 0, new_tokens: int = 0, stats=None, load=None) -> PlanOutcome:
         """token_ids: the context's ids (prompt_tokens of them), for strategies that probe the
         prompt; stats: instead, the statistics the executor's prefill gathered (`ProbeStatistics`);
-        suffix_tokens, new_tokens: the rows the job adds after it (the budget holds them)."""
+        suffix_tokens, new_tokens: the rows the job adds after it (the budget holds them); load: the
+        executor's KV memory now (`planner_pb2.KVLoad`: what an adaptive budget plans for)."""
         req = planner_pb2.PlanRequest(
             job_id=job_id, tenant=tenant, strategy=strategy, budget=budget, profile=profile,
             prompt_tokens=prompt_tokens, token_ids=token_ids or [],
-            suffix_tokens=suffix_tokens, new_tokens=new_tokens, stats=stats,
+            suffix_tokens=suffix_tokens, new_tokens=new_tokens, stats=stats, load=load,
             model=planner_pb2.ModelShape(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
                                          num_query_heads=lm.num_query_heads, head_dim=lm.head_dim,
                                          fingerprint=lm.fingerprint))

@@ -30,7 +30,7 @@ def job_result(run: RunResult, seq: Sequence, outcome, executor_id: str, storage
                                  full_kv_bytes=x.full_kv_bytes, kind=x.kind) for x in run.layers],
         offload=_offload_stats(run.offload), budget_floor_tokens=plan.budget_floor_tokens,
         queue_s=run.queue_s, ttft_s=max(ttft, 0.0), kv_reserved_bytes=seq.reserved,
-        predicted_kv_bytes=plan.predicted_kv_bytes)
+        predicted_kv_bytes=plan.predicted_kv_bytes, budget_ratio=plan.budget_ratio, budget_reason=plan.budget_reason)
     if plan.budget_met is not None:
         result.budget_met = plan.budget_met
     return result

@@ -32,6 +32,7 @@ from kvcore.statistics import LayerStatistics
 from kvplan.config import ExecutorConfig
 from planner.request import InvalidRequest
 from protos import executor_pb2 as pb
+from protos import planner_pb2
 
 log = logging.getLogger("kvplan.executor.worker")
 
@@ -75,6 +76,7 @@ class Worker:
         self.jobs: dict[str, Job] = {}
         self._stopping = asyncio.Event()
         self._work = asyncio.Event()             # set when the engine has something new
+        self._depth = 0                          # jobs waiting or running in the queue, as last counted
 
     # -- the loops ------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -93,7 +95,8 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 if time.monotonic() - counted > 1.0:
-                    QUEUE_DEPTH.set(await self.backend.depth())
+                    self._depth = await self.backend.depth()
+                    QUEUE_DEPTH.set(self._depth)
                     counted = time.monotonic()
                 if not self._room():
                     await asyncio.sleep(0.05)
@@ -196,7 +199,7 @@ class Worker:
         statistics = LayerStatistics(info.probe_mode, info.probe_losses) if info and info.probe_mode else None
         plan, store = None, None
         if statistics is None:                        # the plan first: its strategy needs nothing of the prefill
-            job.outcome = await job.plan_call(token_ids=prompt.context_ids)
+            job.outcome = await job.plan_call(token_ids=prompt.context_ids, load=await self._load(job))
             plan = job.outcome.plan
             store = await self._open_store(job, req, plan, prompt.num_tokens + checked.max_new_tokens)
         job.request, job.max_tokens = req, prompt.num_tokens + checked.max_new_tokens
@@ -206,8 +209,10 @@ class Worker:
             loop.call_soon_threadsafe(job.events.put_nowait, (kind, payload))
 
         try:
+            ratio = plan.budget_ratio if plan is not None and plan.budget_reason else \
+                _budget_ratio(req.budget, prompt.num_tokens)
             return self.engine.sequence(prompt, plan, sampling, emit=emit, cancelled=job.stop.is_set, store=store,
-                                        ratio=_budget_ratio(req.budget, prompt.num_tokens), job_id=job_id,
+                                        ratio=ratio, job_id=job_id,
                                         statistics=statistics)
         except Exception:
             if store is not None:
@@ -245,7 +250,7 @@ class Worker:
         """The plan of a job whose statistics its own prefill gathered; then the engine compresses it."""
         try:
             msg = await asyncio.to_thread(statistics.to_proto, stats)
-            job.outcome = await job.plan_call(stats=msg)
+            job.outcome = await job.plan_call(stats=msg, load=await self._load(job))
         except asyncio.CancelledError:
             raise
         except Exception as e:                        # refused, or the planner failed: the job fails, says why
@@ -258,6 +263,18 @@ class Worker:
         store = await self._open_store(job, job.request, job.outcome.plan, job.max_tokens)
         self.engine.apply_plan(job.seq, job.outcome.plan, store)
         self._work.set()
+
+    async def _load(self, job: Job) -> planner_pb2.KVLoad:
+        """The KV memory an adaptive budget plans for: the budget, what other jobs have not reserved
+        (this job's own reservation counts as free), and the jobs sharing it — this executor's,
+        or the queue's waiting and running jobs when it counted more (one executor: the same)."""
+        with contextlib.suppress(QueueUnavailable):
+            self._depth = await self.backend.depth()
+        budget = self.engine.budget
+        own = budget.held(job.seq.seq_id) if job.seq is not None else 0
+        return planner_pb2.KVLoad(budget_bytes=budget.total, free_bytes=budget.free + own,
+                                  jobs=max(len(self.jobs), self._depth), itemsize=self.engine.storage_dtype.itemsize,
+                                  chunk=self.engine.chunk)
 
     async def _heartbeat(self, job: Job) -> None:
         while True:

@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--ratio", type=float, default=None, help="KV reserve ratio in (0, 1]")
     budget.add_argument("--kv-tokens", type=int, default=None, help="KV budget in tokens")
+    budget.add_argument("--budget", choices=["adaptive"], default=None,
+                        help="adaptive: the largest reserve ratio the executor's free KV memory leaves room for "
+                             "(1.0 when idle), not below --floor")
+    g.add_argument("--floor", type=float, default=0.0, help="with --budget adaptive: the lowest reserve ratio")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     g.add_argument("--top-p", type=float, default=None)

@@ -16,8 +16,12 @@ def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, q
             max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
             seed: int | None = None, strategy: str = "", reserve_ratio: float | None = None,
             kv_tokens: int | None = None, tenant: str = "", profile: str = "",
-            ignore_eos: bool = False) -> executor_pb2.GenerateRequest:
+            ignore_eos: bool = False, adaptive: bool = False, floor_ratio: float = 0.0) -> executor_pb2.GenerateRequest:
+    """adaptive: the largest reserve ratio the executor's load leaves room for, not below
+    `floor_ratio` (instead of reserve_ratio / kv_tokens)."""
     budget = common_pb2.Budget()
+    if adaptive:
+        budget.adaptive.floor_ratio = floor_ratio
     if reserve_ratio is not None:
         budget.reserve_ratio = reserve_ratio
     if kv_tokens is not None:

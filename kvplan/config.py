@@ -126,6 +126,8 @@ class PlannerConfig(ServiceConfig):
                                  "share of a profile's jobs a probing strategy probes (1: every job)")
     max_tokens: int = _env("KVPLAN_PLANNER_MAX_TOKENS", 131072,
                            "most tokens a Plan request may describe (prompt + suffix + new tokens, token_ids)")
+    adaptive_min_retained: float = _env("KVPLAN_ADAPTIVE_MIN_RETAINED", 0.9,
+                                        "an adaptive budget's floor: the least predicted retained attention")
 
     def __post_init__(self):
         super().__post_init__()
@@ -133,6 +135,8 @@ class PlannerConfig(ServiceConfig):
             raise ConfigError(f"KVPLAN_PROFILE_SAMPLE must be in (0, 1], got {self.profile_sample}")
         if self.max_tokens < 1:
             raise ConfigError(f"KVPLAN_PLANNER_MAX_TOKENS must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.adaptive_min_retained <= 1.0:
+            raise ConfigError(f"KVPLAN_ADAPTIVE_MIN_RETAINED must be in [0, 1], got {self.adaptive_min_retained}")
 
     @property
     def max_receive_bytes(self) -> int:

@@ -14,7 +14,8 @@ from kvplan.config import ClientConfig, ClusterConfig, ModelConfig, from_env
 
 STRICT_EXIT = 3
 # request fields (the executor's checks name them) -> the flags that set them
-FLAGS = {"budget.reserve_ratio": "--ratio", "budget.kv_tokens": "--kv-tokens", "max_new_tokens": "--max-new-tokens",
+FLAGS = {"budget.reserve_ratio": "--ratio", "budget.kv_tokens": "--kv-tokens", "budget.adaptive.floor_ratio": "--floor",
+         "max_new_tokens": "--max-new-tokens",
          "temperature": "--temperature", "top_p": "--top-p", "prompt": "PROMPT", "question": "--question",
          "strategy": "--strategy"}
 
@@ -65,12 +66,17 @@ def generate(args, text: str, ccfg: ClusterConfig, mcfg: ModelConfig) -> int:
     else:
         print(f"\n[{r.strategy} plan {r.plan_id}: {r.prompt_tokens} prompt + {r.generated_tokens} generated tokens; "
               f"KV {r.kv_bytes / 2**20:.2f} MiB of {r.full_kv_bytes / 2**20:.2f} MiB "
-              f"(reserve ratio {r.reserve_ratio:.3f}); prefill {r.prefill_s:.2f}s, "
+              f"(reserve ratio {r.reserve_ratio:.3f}{_adaptive(r)}); prefill {r.prefill_s:.2f}s, "
               f"decode {r.decode_tokens_per_s:.1f} tok/s{'; DEGRADED' if r.degraded else ''}]", file=sys.stderr)
     warnings = Result.of(st.job_id, st.attempt, r).warnings(args.ratio)
     for w in warnings:                       # on stderr whatever the output mode: never silent
         print(f"kvplan: warning: {w}", file=sys.stderr)
     return STRICT_EXIT if warnings and args.strict else 0
+
+
+def _adaptive(r) -> str:
+    """An adaptive budget's choice, as the result line says it."""
+    return f"; adaptive: {r.budget_ratio:g}, {r.budget_reason}" if r.budget_reason else ""
 
 
 def embedded_default(ccfg: ClusterConfig, mcfg: ModelConfig) -> bool:
@@ -91,7 +97,8 @@ def checked_request(args, text: str, embedded: bool):
             raise BadFlag(f"{flag}: must be in [{lo}, {hi}], got {value}")
     req = request(text, question=args.question, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, strategy=args.strategy,
-                  reserve_ratio=args.ratio, kv_tokens=args.kv_tokens, tenant=args.tenant)
+                  reserve_ratio=args.ratio, kv_tokens=args.kv_tokens, tenant=args.tenant,
+                  adaptive=getattr(args, "budget", None) == "adaptive", floor_ratio=getattr(args, "floor", 0.0))
     try:
         validation.check(req, 1)
     except InvalidRequest as e:

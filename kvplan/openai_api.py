@@ -7,7 +7,9 @@ kvplan's own request fields ride next to OpenAI's (the openai client's `extra_bo
                   `full` default, `auto`)
     kv_ratio      KV reserve ratio in (0, 1]
     kv_tokens     KV budget in tokens per KV head
-    kv_budget     the same budget as an object: {"reserve_ratio": r} or {"kv_tokens": n}
+    kv_budget     the same budget as an object: {"reserve_ratio": r} or {"kv_tokens": n}; or
+                  {"adaptive": {"floor_ratio": f}} ({} for no floor): the largest ratio the
+                  executor's load leaves room for
     kv_question   appended after the compressed context (kvpress-style)
 
 and `usage` gains `kv_bytes`, `full_kv_bytes`, `reserve_ratio`, `degraded`, `budget_met`,
@@ -138,8 +140,10 @@ def _budget(body: RequestBody) -> common_pb2.Budget:
     ratio, tokens = body.kv_ratio, body.kv_tokens
     if body.kv_budget is not None:
         b = body.kv_budget
-        if len(b) != 1 or not set(b) <= {"reserve_ratio", "kv_tokens"}:
-            raise bad("kv_budget", 'must be {"reserve_ratio": r} or {"kv_tokens": n}')
+        if len(b) != 1 or not set(b) <= {"reserve_ratio", "kv_tokens", "adaptive"}:
+            raise bad("kv_budget", 'must be {"reserve_ratio": r}, {"kv_tokens": n} or {"adaptive": {"floor_ratio": f}}')
+        if "adaptive" in b:
+            return _adaptive(b["adaptive"])
         ratio, tokens = b.get("reserve_ratio"), b.get("kv_tokens")
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
             raise bad("kv_budget.reserve_ratio", f"must be a number, got {ratio!r}")
@@ -155,6 +159,15 @@ def _budget(body: RequestBody) -> common_pb2.Budget:
             raise bad(f"{param}.kv_tokens" if param else "kv_tokens", f"must be >= 1, got {tokens}")
         return common_pb2.Budget(kv_tokens=tokens)
     return common_pb2.Budget()
+
+
+def _adaptive(a: Any) -> common_pb2.Budget:
+    if not isinstance(a, dict) or not set(a) <= {"floor_ratio"}:
+        raise bad("kv_budget.adaptive", 'must be {} or {"floor_ratio": f}')
+    floor = a.get("floor_ratio", 0.0)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
+        raise bad("kv_budget.adaptive.floor_ratio", f"must be a number in [0, 1], got {floor!r}")
+    return common_pb2.Budget(adaptive=common_pb2.Adaptive(floor_ratio=floor))
 
 
 def _request(body: RequestBody, max_tokens: int | None) -> executor_pb2.GenerateRequest:

@@ -109,6 +109,8 @@ class CompressionPlan:
     budget_met: bool | None = None    # holds the job's budget at every step; None: not judged (planner/budget.py)
     budget_floor_tokens: int = 0      # fewest prompt tokens per KV head the plan keeps in a layer
     predicted_kv_bytes: int = 0       # the most its cache holds at any step of the job (kvcore.plan_cost); 0: not stated
+    budget_ratio: float = 0.0         # adaptive budget: the reserve ratio chosen for the load (planner.adaptive)
+    budget_reason: str = ""           # adaptive budget: "fits" | "pressure" | "floor"; "": not adaptive
 
     def to_proto(self) -> common_pb2.CompressionPlan:
         return json_format.ParseDict(_drop_none(dataclasses.asdict(self)), common_pb2.CompressionPlan())
@@ -119,7 +121,7 @@ class CompressionPlan:
         layers = tuple(_layer(x) for x in d.pop("layers", []))
         offload = OffloadPlan(**d.pop("offload", {}))
         d["predicted_reserve_ratio"] = float(d.get("predicted_reserve_ratio", 0.0))
-        for k in ("predicted_retained_attention", "predicted_copy_retained_attention"):
+        for k in ("predicted_retained_attention", "predicted_copy_retained_attention", "budget_ratio"):
             d[k] = float(d.get(k, 0.0))
         for k in ("budget_floor_tokens", "predicted_kv_bytes"):             # int64: a string in JSON
             d[k] = int(d.get(k, 0))

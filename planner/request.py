@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcore.request import InvalidRequest, validate_budget  # noqa: F401  (planner code imports them here)
+from kvcore.request import InvalidRequest, adaptive_of, validate_budget  # noqa: F401  (planner code imports them here)
 from protos import planner_pb2
 
 
@@ -36,6 +36,7 @@ class PlanInput:
     suffix_tokens: int = 0         # tokens prefilled after compression (a query_agnostic question)
     new_tokens: int = 0            # most tokens the job generates; the budget holds these rows too
                                    # (planner.budget)
+    adaptive: tuple[float, float] | None = None   # an adaptive budget's (floor_ratio, min_retained; 0: unset)
 
     @property
     def target_ratio(self) -> float:
@@ -78,9 +79,16 @@ def parse(req: planner_pb2.PlanRequest, strategy: str, max_tokens: int = MAX_TOK
     if req.token_ids and min(req.token_ids) < 0:
         raise InvalidRequest("token_ids", f"must be >= 0, got {min(req.token_ids)}")
     ratio, tokens = validate_budget(req.budget)
+    adaptive = adaptive_of(req.budget)
+    if req.HasField("load"):
+        for name in ("budget_bytes", "free_bytes", "jobs", "itemsize", "chunk"):
+            if getattr(req.load, name) < 0:
+                raise InvalidRequest(f"load.{name}", f"must be >= 0, got {getattr(req.load, name)}")
+        if req.load.itemsize > 8:
+            raise InvalidRequest("load.itemsize", f"must be at most 8 bytes, got {req.load.itemsize}")
     return PlanInput(
         job_id=req.job_id, strategy=strategy, prompt_tokens=int(req.prompt_tokens),
         model=ModelShape(m.num_layers, m.num_kv_heads, m.num_query_heads, m.head_dim, m.fingerprint),
         reserve_ratio=ratio, kv_tokens=tokens, profile=req.profile, tenant=req.tenant,
-        suffix_tokens=int(req.suffix_tokens), new_tokens=int(req.new_tokens),
+        suffix_tokens=int(req.suffix_tokens), new_tokens=int(req.new_tokens), adaptive=adaptive,
     )

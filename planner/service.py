@@ -23,7 +23,7 @@ from prometheus_client import Counter
 from kvplan import auth
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
-from planner import predict, profiles, request
+from planner import adaptive, predict, profiles, request
 from kvcore import defaults, statistics
 from planner.probe import in_mode, once
 from planner.active import open_active
@@ -32,6 +32,7 @@ from protos import common_pb2, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger("kvplan.planner")
 PLANS = Counter("kvplan_planner_plans_total", "plans made", ["strategy"])
+ADAPTIVE = Counter("kvplan_planner_adaptive_total", "adaptive budgets planned, by why the ratio", ["reason"])
 PROBES = Counter("kvplan_planner_probes_total", "probes run", ["strategy"])
 GIVEN = Counter("kvplan_planner_given_statistics_total", "plans made from the executor's own prefill statistics",
                 ["strategy"])
@@ -65,7 +66,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             probe = self._given(req, inp, strategy) if req.HasField("stats") else \
                 self._probe(strategy.name, list(req.token_ids))
             inp, pending = await self._probing(strategy, inp, probe)
-            plan = await asyncio.to_thread(strategy.plan, inp, f"plan-{uuid.uuid4().hex[:12]}")
+            plan = await asyncio.to_thread(self._plan, strategy, inp, req)
             if req.predict:
                 plan = await asyncio.to_thread(predict.from_probe, plan, probe, inp.model)
         except request.InvalidRequest as e:
@@ -78,6 +79,19 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                  "" if plan.budget_met is not False else
                  f"; budget not met: it keeps at least {plan.budget_floor_tokens} prompt tokens per KV head")
         return plan.to_proto()
+
+    def _plan(self, strategy: Strategy, inp: request.PlanInput, req: planner_pb2.PlanRequest):
+        """The job's plan: at its budget, or — an adaptive budget, and the default of a compressing
+        strategy asked for no budget — at the largest ratio the executor's load leaves room for."""
+        plan_id = f"plan-{uuid.uuid4().hex[:12]}"
+        if inp.adaptive is None and (req.budget.WhichOneof("kind") is not None or strategy.name == "full"):
+            return strategy.plan(inp, plan_id)
+        floor_ratio, min_retained = inp.adaptive or (0.0, 0.0)
+        plan = adaptive.plan(lambda r: strategy.plan(dataclasses.replace(inp, reserve_ratio=r, kv_tokens=None), plan_id),
+                             inp, adaptive.Load.from_proto(req.load), floor_ratio,
+                             min_retained or self.cfg.adaptive_min_retained)
+        ADAPTIVE.labels(plan.budget_reason).inc()
+        return plan
 
     async def ListStrategies(self, req, context) -> planner_pb2.StrategyList:
         active = await self.active.get()
@@ -103,7 +117,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         asks to compress while the default is `full` (which never compresses) gets `auto`, so
         `--ratio 0.2` alone is never silently a full cache."""
         ratio, tokens = request.validate_budget(budget)
-        return defaults.strategy_for("", await self.active.get(), ratio, tokens)
+        return defaults.strategy_for("", await self.active.get(), ratio, tokens, request.adaptive_of(budget) is not None)
 
     async def DeleteStrategy(self, req: planner_pb2.DeleteStrategyRequest, context) -> planner_pb2.StrategyList:
         """Remove a custom definition (admin; the gate checks the role). When it was the active

@@ -103,7 +103,7 @@ class OffloadPlan(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., value_group_size: _Optional[int] = ..., rerank: _Optional[int] = ...) -> None: ...
 
 class CompressionPlan(_message.Message):
-    __slots__ = ("plan_id", "strategy", "strategy_version", "model_fingerprint", "layers", "offload", "predicted_reserve_ratio", "predicted_retained_attention", "predicted_copy_retained_attention", "budget_met", "budget_floor_tokens", "predicted_kv_bytes")
+    __slots__ = ("plan_id", "strategy", "strategy_version", "model_fingerprint", "layers", "offload", "predicted_reserve_ratio", "predicted_retained_attention", "predicted_copy_retained_attention", "budget_met", "budget_floor_tokens", "predicted_kv_bytes", "budget_ratio", "budget_reason")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class CompressionPlan(_message.Message):
     BUDGET_MET_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FLOOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_RATIO_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     strategy: str
     strategy_version: str
@@ -128,15 +130,27 @@ class CompressionPlan(_message.Message):
     budget_met: bool
     budget_floor_tokens: int
     predicted_kv_bytes: int
-    def __init__(self, plan_id: _Optional[str] = ..., strategy: _Optional[str] = ..., strategy_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., offload: _Optional[_Union[OffloadPlan, _Mapping]] = ..., predicted_reserve_ratio: _Optional[float] = ..., predicted_retained_attention: _Optional[float] = ..., predicted_copy_retained_attention: _Optional[float] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ...) -> None: ...
+    budget_ratio: float
+    budget_reason: str
+    def __init__(self, plan_id: _Optional[str] = ..., strategy: _Optional[str] = ..., strategy_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerPlan, _Mapping]]] = ..., offload: _Optional[_Union[OffloadPlan, _Mapping]] = ..., predicted_reserve_ratio: _Optional[float] = ..., predicted_retained_attention: _Optional[float] = ..., predicted_copy_retained_attention: _Optional[float] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ...) -> None: ...
 
 class Budget(_message.Message):
-    __slots__ = ("reserve_ratio", "kv_tokens")
+    __slots__ = ("reserve_ratio", "kv_tokens", "adaptive")
     RESERVE_RATIO_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     reserve_ratio: float
     kv_tokens: int
-    def __init__(self, reserve_ratio: _Optional[float] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+    adaptive: Adaptive
+    def __init__(self, reserve_ratio: _Optional[float] = ..., kv_tokens: _Optional[int] = ..., adaptive: _Optional[_Union[Adaptive, _Mapping]] = ...) -> None: ...
+
+class Adaptive(_message.Message):
+    __slots__ = ("floor_ratio", "min_retained")
+    FLOOR_RATIO_FIELD_NUMBER: _ClassVar[int]
+    MIN_RETAINED_FIELD_NUMBER: _ClassVar[int]
+    floor_ratio: float
+    min_retained: float
+    def __init__(self, floor_ratio: _Optional[float] = ..., min_retained: _Optional[float] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

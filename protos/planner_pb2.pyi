@@ -22,7 +22,7 @@ class ModelShape(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens", "stats")
+    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens", "stats", "load")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class PlanRequest(_message.Message):
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tenant: str
     strategy: str
@@ -47,7 +48,22 @@ class PlanRequest(_message.Message):
     suffix_tokens: int
     new_tokens: int
     stats: ProbeStatistics
-    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., stats: _Optional[_Union[ProbeStatistics, _Mapping]] = ...) -> None: ...
+    load: KVLoad
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., stats: _Optional[_Union[ProbeStatistics, _Mapping]] = ..., load: _Optional[_Union[KVLoad, _Mapping]] = ...) -> None: ...
+
+class KVLoad(_message.Message):
+    __slots__ = ("budget_bytes", "free_bytes", "jobs", "itemsize", "chunk")
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    ITEMSIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    budget_bytes: int
+    free_bytes: int
+    jobs: int
+    itemsize: int
+    chunk: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., jobs: _Optional[int] = ..., itemsize: _Optional[int] = ..., chunk: _Optional[int] = ...) -> None: ...
 
 class ProbeStatistics(_message.Message):
     __slots__ = ("tokens", "window", "heads", "window_scores", "k_similar", "v_similar", "k_angle", "v_angle", "losses")

@@ -52,7 +52,7 @@ class KVBudget:
 
     @property
     def reserved(self) -> int:
-        return sum(self._held.values())
+        return sum(list(self._held.values()))      # a snapshot: other threads read it while the engine steps
 
     @property
     def free(self) -> int:

@@ -354,3 +354,28 @@ async def test_a_plan_from_the_executors_statistics_runs_no_probe():
         assert len(prober.calls) == 1
     finally:
         await _close(server, svc, ch)
+
+
+async def test_an_adaptive_budget_plans_for_the_executors_load():
+    """Alone with room: 1.0 ("fits"); twelve jobs sharing four full caches' bytes: the largest
+    ratio whose plan fits a twelfth ("pressure"); a compressing strategy asked for no budget is
+    planned adaptively too; `full` asked for none stays a plain full plan."""
+    server, svc, ch, stub = await _planner(prober=CountingProbe())
+    try:
+        def req(load, budget=common_pb2.Budget(adaptive=common_pb2.Adaptive()), strategy="auto"):
+            return planner_pb2.PlanRequest(job_id="j", prompt_tokens=4096, model=SHAPE, strategy=strategy,
+                                           budget=budget, new_tokens=64, token_ids=list(range(4096)), load=load)
+        alone = CompressionPlan.from_proto(await stub.Plan(req(planner_pb2.KVLoad()), timeout=10))
+        full = alone.predicted_kv_bytes or 30 * 3 * 4 * 64 * 4160
+        assert (alone.budget_ratio, alone.budget_reason) == (1.0, "fits")
+        assert all(lp.kind == "full" for lp in alone.layers)
+        busy = planner_pb2.KVLoad(budget_bytes=4 * full, free_bytes=4 * full, jobs=12, itemsize=2, chunk=512)
+        pressed = CompressionPlan.from_proto(await stub.Plan(req(busy), timeout=10))
+        assert pressed.budget_reason == "pressure" and 0.05 <= pressed.budget_ratio <= 0.35
+        assert pressed.predicted_reserve_ratio <= pressed.budget_ratio + 0.02
+        named = CompressionPlan.from_proto(await stub.Plan(req(busy, common_pb2.Budget(), "snapkv"), timeout=10))
+        assert named.budget_reason == "pressure" and named.budget_ratio <= 0.35
+        plain = CompressionPlan.from_proto(await stub.Plan(req(busy, common_pb2.Budget(), "full"), timeout=10))
+        assert plain.budget_reason == "" and all(lp.kind == "full" for lp in plain.layers)
+    finally:
+        await _close(server, svc, ch)
