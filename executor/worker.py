@@ -30,7 +30,7 @@ from executor.report import job_result
 from kvcore import statistics
 from kvcore.statistics import LayerStatistics
 from kvplan.config import ExecutorConfig
-from planner.request import InvalidRequest
+from kvcore.request import InvalidRequest
 from protos import executor_pb2 as pb
 from protos import planner_pb2
 
