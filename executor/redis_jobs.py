@@ -27,7 +27,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from executor.jobqueue import PATIENCE, QUEUE_FULL_RETRY_S, Claim, Limits, QueueFull, QueueUnavailable
+from executor.job_backend import PATIENCE, QUEUE_FULL_RETRY_S, Claim, Limits, QueueFull, QueueUnavailable
 
 log = logging.getLogger("kvplan.executor.queue")
 STREAM = "kvplan:jobs"

@@ -1,9 +1,11 @@
-"""Both job backends behind one interface; the Redis one re-claims a job whose executor went silent."""
+"""Both job backends behind one interface, opened by URL scheme; the Redis one re-claims a job
+whose executor went silent."""
 import asyncio
 
 import pytest
 
-from executor.jobqueue import MemoryJobs
+from executor.jobqueue import open_backend
+from executor.memory_jobs import MemoryJobs
 from executor.redis_jobs import RedisJobs
 
 
@@ -16,6 +18,14 @@ async def backend(request):
     await b.open()
     yield b
     await b.close()
+
+
+def test_backend_chosen_by_url_scheme():
+    assert isinstance(open_backend(""), MemoryJobs) and isinstance(open_backend("memory://"), MemoryJobs)
+    for url in ("redis://127.0.0.1:1/0", "rediss://h:1/0", "unix:///tmp/redis.sock"):
+        assert isinstance(open_backend(url, claim_idle_ms=300), RedisJobs)
+    with pytest.raises(ValueError, match="scheme 'http'"):
+        open_backend("http://localhost:6379")
 
 
 async def test_submit_claim_events_finish(backend):

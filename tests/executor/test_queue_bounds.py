@@ -3,7 +3,8 @@ tenant, a per-tenant rate (kept in Redis), a tenant recorded per job, idempotent
 finished job's count dropping once however often its finish is retried."""
 import pytest
 
-from executor.jobqueue import Limits, MemoryJobs, QueueFull
+from executor.job_backend import Limits, QueueFull
+from executor.memory_jobs import MemoryJobs
 from executor.redis_jobs import RedisJobs
 
 

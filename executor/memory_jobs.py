@@ -1,0 +1,131 @@
+"""The in-process job backend (the embedded default): jobs live as long as the process, no
+crash recovery."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from executor.job_backend import Claim, Limits, QueueFull, check_bounds
+
+
+@dataclass
+class _Record:
+    request: bytes
+    status: bytes
+    tenant: str = ""
+    events: list[bytes] = field(default_factory=list)
+    cancelled: bool = False
+    expires: float | None = None
+
+
+class MemoryJobs:
+    """In-process backend: jobs live as long as the process (no crash recovery)."""
+
+    def __init__(self):
+        self._jobs: dict[str, _Record] = {}
+        self._pending: asyncio.Queue[str] | None = None
+        self._changed: asyncio.Condition | None = None
+        self._entries = itertools.count(1)
+        self._queued: Counter[str] = Counter()                  # tenant -> jobs waiting or running
+        self._window: tuple[int, Counter[str]] = (0, Counter())  # (minute, submissions per tenant)
+
+    async def open(self) -> None:
+        self._pending = asyncio.Queue()
+        self._changed = asyncio.Condition()
+
+    async def close(self) -> None:
+        pass
+
+    async def ping(self) -> bool:
+        return True
+
+    async def depth(self) -> int:
+        return sum(self._queued.values())
+
+    async def submit(self, job_id: str, request: bytes, status: bytes, tenant: str = "",
+                     limits: Limits = Limits()) -> None:
+        if job_id in self._jobs:
+            return
+        check_bounds(sum(self._queued.values()), self._queued[tenant], tenant, limits)
+        self._jobs[job_id] = _Record(request, status, tenant)
+        self._queued[tenant] += 1
+        await self._pending.put(job_id)
+
+    async def admit(self, tenant: str, limits: Limits) -> None:
+        if not limits.rate_per_min:
+            return
+        minute = int(time.time() // 60)
+        if self._window[0] != minute:
+            self._window = (minute, Counter())
+        self._window[1][tenant] += 1
+        if self._window[1][tenant] > limits.rate_per_min:
+            raise QueueFull(f"tenant {tenant!r} is over its rate of {limits.rate_per_min} jobs a minute",
+                            60 - time.time() % 60)
+
+    async def tenant(self, job_id: str) -> str | None:
+        rec = self._jobs.get(job_id)
+        return rec.tenant if rec else None
+
+    async def claim(self, consumer: str, block_ms: int) -> Claim | None:
+        try:
+            job_id = await asyncio.wait_for(self._pending.get(), block_ms / 1000)
+        except asyncio.TimeoutError:
+            return None
+        rec = self._jobs.get(job_id)
+        return Claim(job_id, str(next(self._entries)), 1, rec.tenant if rec else "")
+
+    async def heartbeat(self, claim: Claim, consumer: str) -> bool:
+        return True
+
+    async def finish(self, claim: Claim, ttl_s: int) -> None:
+        rec = self._jobs[claim.job_id]
+        if rec.expires is None:                  # once per job: its queue count drops
+            self._queued[rec.tenant] -= 1
+        rec.expires = time.time() + ttl_s
+        self._expire()
+
+    def _expire(self) -> None:
+        now = time.time()
+        for job_id in [j for j, r in self._jobs.items() if r.expires is not None and r.expires < now]:
+            del self._jobs[job_id]
+
+    async def request(self, job_id: str) -> bytes | None:
+        rec = self._jobs.get(job_id)
+        return rec.request if rec else None
+
+    async def set_status(self, job_id: str, status: bytes) -> None:
+        self._jobs[job_id].status = status
+
+    async def status(self, job_id: str) -> bytes | None:
+        rec = self._jobs.get(job_id)
+        return rec.status if rec else None
+
+    async def append_event(self, job_id: str, event: bytes) -> None:
+        self._jobs[job_id].events.append(event)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def events(self, job_id: str, after: str, block_ms: int) -> list[tuple[str, bytes]]:
+        start = int(after)
+
+        def ready():
+            rec = self._jobs.get(job_id)
+            return rec is None or len(rec.events) > start
+
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(ready), block_ms / 1000)
+            except asyncio.TimeoutError:
+                return []
+        rec = self._jobs.get(job_id)
+        return [] if rec is None else [(str(i + 1), e) for i, e in enumerate(rec.events[start:], start)]
+
+    async def cancel(self, job_id: str) -> None:
+        self._jobs[job_id].cancelled = True
+
+    async def is_cancelled(self, job_id: str) -> bool:
+        rec = self._jobs.get(job_id)
+        return rec is not None and rec.cancelled
