@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from kernels.quant import per_byte, unpack_dequantize_reference as unpack_dequantize
+from kernels.quant import per_byte, quantize_pack_reference, unpack_dequantize_reference as unpack_dequantize
 
 _KERNELS: dict[tuple[int, int, int, int, int], object] = {}
 
@@ -117,10 +117,9 @@ def warm(head_dim: int, heads: int, bits=(2, 4, 8), group: int = 32) -> None:
         key = (b, group, math.gcd(group, head_dim), head_dim, heads)
         if key not in _KERNELS:
             _KERNELS[key] = _build(*key)
-            rows = torch.zeros(group, head_dim)
-            from kernels import quantize_pack
-            kc, ks, kz = quantize_pack(rows.T.contiguous(), b, group)
-            vc, vs, vz = quantize_pack(rows, b, key[2])
+            rows = torch.zeros(group, head_dim)                 # on the CPU: the reference packs it
+            kc, ks, kz = quantize_pack_reference(rows.T.contiguous(), b, group)
+            vc, vs, vz = quantize_pack_reference(rows, b, key[2])
             r = QuantRows(kc.view(1, head_dim, -1), ks.view(1, head_dim), kz.view(1, head_dim), vc, vs, vz, b)
             attend_groups_cpu([r], torch.zeros(1, heads, head_dim), [rows[:1]], [rows[:1]], None, 1.0)
 

@@ -27,6 +27,7 @@ from planner.budget import fits_full, step_rows
 from planner.choice import choose
 from kvcore.statistics import POOL, QUANT_GROUP, SINKS, SPAN
 from planner.request import InvalidRequest, PlanInput
+from planner.strategy import Strategy
 
 RESIDUAL = 32          # newest tokens a quant layer keeps in the storage dtype
 STORAGE_BYTES = 2      # fp16
@@ -67,7 +68,6 @@ def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, hel
 def strategy(d):
     """The Strategy of an `auto` definition (`planner.strategies.PLANNERS["auto"]`): probes in
     GQA `repeat` mode (the losses use each KV group's mean)."""
-    from planner.strategies import Strategy
     return Strategy(d.name, d.version or "1", d.description, plan, probe_mode="repeat", definition=d, probe_losses=True)
 
 

@@ -11,28 +11,16 @@ The shipped strategies are the definitions in `presets.yaml`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvplan.plan import CompressionPlan
 from planner import auto, definition
 from planner.compose import Composed
 from planner.definition import Definition
-from planner.request import PlanInput
+from planner.strategy import Strategy
 
 PRESETS_FILE = Path(__file__).with_name("presets.yaml")
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    version: str
-    description: str
-    plan: Callable[[PlanInput, str], CompressionPlan]   # (input, plan_id) -> plan
-    probe_mode: str | None = None                       # GQA mode of the probe it calls; None: it never probes
-    definition: Definition | None = None
-    probe_losses: bool = False                          # it asks the probe for storage-form losses
+__all__ = ["PLANNERS", "PRESETS", "STRATEGIES", "Strategy", "build", "composed", "parse"]
 
 
 def composed(d: Definition) -> Strategy:
