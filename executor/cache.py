@@ -8,12 +8,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from executor.layers import LAYER_KINDS
-from executor.layers.full import CacheState, LayerContext
+from executor.layers.base import CacheState, LayerContext, UnsupportedPlan
 from kvplan.plan import CompressionPlan
 
-
-class UnsupportedPlan(ValueError):
-    pass
+__all__ = ["LayerBytes", "PlannedCache", "UnsupportedPlan"]    # UnsupportedPlan: `executor.layers.base`
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import torch
 from executor import kvcrush
 from kvcore import scoring
 from executor.attention import causal_attention
-from executor.layers.full import FullLayer, LayerContext
+from executor.layers.base import LayerContext, Phase
+from executor.layers.full import FullLayer
 from executor.layers.groups import DenseGroup, grown, index_dtype
 from kvcore import cost
 from kvplan.plan import Eviction, LayerPlan
@@ -73,16 +74,20 @@ class EvictedLayer(FullLayer):
         return self.tokens_seen + query_length, 0
 
     # -- attention -------------------------------------------------------------------------------
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        """q: [1, H, Tq, D] -> [1, Tq, H, D]."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                  phase: Phase) -> torch.Tensor:
+        """q: [1, H, Tq, D] -> [1, Tq, H, D]: over the kept groups once compressed, else dense (H2O
+        accumulating the context's attention)."""
         if self.compressed:
             return self._attend_groups(q, scaling)
         out = causal_attention(q, k, v, scaling)
-        if self.eviction.scorer == "h2o" and self.ctx.state.phase != "after":
+        if self.eviction.scorer == "h2o" and phase.prefills_context:
             self.acc = scoring.accumulate_attention(self.acc, q[0], k[0], scaling)
-        if self.ctx.state.phase == "compress":
-            self.compress_context(q[0], k[0], v[0], scaling)
         return out
+
+    def end_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        if not self.compressed:
+            self.compress_context(q[0], k[0], v[0], scaling)
 
     def _attend_groups(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """q: [1, H, Tq, D] -> [1, Tq, H, D]. Per KV group one attention over the group's tokens,

@@ -2,44 +2,14 @@
 deployment) and handed to attention in the compute dtype."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from executor.attention import causal_attention
+from executor.layers.base import CacheState, LayerContext, Phase  # noqa: F401  (CacheState: its old home)
 from kernels.rope_reconstruct import unrotate_rope
 from kvcore import cost
 from kvplan.plan import LayerPlan
-
-
-@dataclass
-class CacheState:
-    """Where the job is, shared by the cache's layers; set by the runner.
-    phase: "context" (prefilling the part to compress), "compress" (its last chunk: layers
-    compress right after their attention), "stats" (its last chunk when the plan comes after it:
-    layers gather the plan's statistics and keep their last queries, `PlannedCache.compress`
-    compresses later), "after" (question and decode); with an offload plan also "predecode" and
-    "spec" (`executor.layers.offload`)."""
-    phase: str = "context"
-    context_tokens: int = 0
-    step: int = 0                     # decode step of an offload plan ("predecode" is 0)
-    wait_s: float = 0.0               # how long an offload layer waits for a late prefetch
-    recall: list | None = None        # offload layers append their prefetch recall here when set
-    stats: object | None = None       # phase "stats": a `kvcore.statistics.LayerStatistics` each layer adds to
-    queries: list | None = None       # phase "stats": each layer's last queries [H, W, D], kept to compress later
-
-
-@dataclass(frozen=True)
-class LayerContext:
-    storage_dtype: torch.dtype
-    num_kv_heads: int
-    num_query_heads: int
-    head_dim: int
-    rope: tuple[torch.Tensor, float]          # (inv_freq [D/2], attention_scaling)
-    state: CacheState = field(default_factory=CacheState)
-    offload: object | None = None             # the plan's OffloadPlan, fitted (offload layers)
-    store: object | None = None               # cachestore.handle.JobHandle (offload layers)
 
 
 class FullLayer(DynamicLayer):
@@ -115,11 +85,25 @@ class FullLayer(DynamicLayer):
         return self.tokens_seen
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        """q: [B, H, Tq, D]; k, v: [B, H_kv, T, D] -> [B, Tq, H, D], causal."""
-        out = causal_attention(q, k, v, scaling)
-        if self.ctx.state.phase == "stats":
+        """q: [1, H, Tq, D]; k, v: what `update` returned -> [1, Tq, H, D]. The one place a layer
+        of any kind reads the forward's phase: its own `attention`, then at the context's last
+        chunk the plan's statistics (STATS) or the end of its context (COMPRESS: `end_context`)."""
+        phase = self.ctx.state.phase
+        out = self.attention(q, k, v, scaling, phase)
+        if phase is Phase.STATS:
             self.gather(q, k, v, scaling)
+        elif phase is Phase.COMPRESS:
+            self.end_context(q, k, v, scaling)
         return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                  phase: Phase) -> torch.Tensor:
+        """q: [1, H, Tq, D]; k, v: [1, H_kv, T, D] -> [1, Tq, H, D], causal over what it holds."""
+        return causal_attention(q, k, v, scaling)
+
+    def end_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        """The context's last chunk has attended (q: [1, H, Tq, D] its queries; k, v: [1, H_kv, T, D]
+        the whole context): compress as the plan says. A full layer keeps everything."""
 
     def gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """The context's last chunk, before any plan: add this layer's statistics (q: [1, H, Tq, D]

@@ -10,7 +10,7 @@ layers and calls `upper.pair(lower)`: the two then share one `MergedPair`.
   RoPE matrix, so norms, angles and SLERP commute with it: merging post-RoPE keys equals merging
   pre-RoPE keys and rotating (digest §2.8, tested there). The restored keys are post-RoPE.
 - Prefill: both layers keep dense K/V (storage dtype) through the context; right after the upper
-  layer's attention over the context's last chunk (phase "compress") the pair merges and both
+  layer's attention over the context's last chunk (`end_context`, phase COMPRESS) the pair merges and both
   dense copies are dropped. Until then the pair holds what full KV holds (peak memory: the pair
   dense plus, for a moment, its merged form).
 - Stored per pair and K/V (`MergedRows`): the unit directions [N, W] and both layers' magnitudes
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.attention import causal_attention
-from executor.layers.full import FullLayer, LayerContext
+from executor.layers.base import LayerContext
+from executor.layers.full import FullLayer
 from kernels import slerp_merge, slerp_restore
 from kvplan.plan import LayerPlan, Merge
 
@@ -185,12 +185,9 @@ class MergeLayer(FullLayer):
     def get_seq_length(self) -> int:
         return self.tokens_seen
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        """q: [1, H, Tq, D]; k, v: [1, H_kv, T, D] from `update` -> [1, Tq, H, D], causal."""
-        out = causal_attention(q, k, v, scaling)
-        if self.upper and self.ctx.state.phase == "compress" and not self.merged:
-            self.merge_context()
-        return out
+    def end_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        """The upper layer merges the pair at the context's end (its lower layer ran first)."""
+        self.compress_now(q, scaling)
 
     # -- merging ---------------------------------------------------------------------------------
     def compress_now(self, q: torch.Tensor, scaling: float) -> None:

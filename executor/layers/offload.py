@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from executor.attention import causal_attention
-from executor.layers.full import FullLayer, LayerContext
+from executor.layers.base import LayerContext, Phase
+from executor.layers.full import FullLayer
 from executor.layers.lowbit import LowBitKV
 from kvcore import cost
 from kvplan.plan import LayerPlan
@@ -60,17 +61,18 @@ class OffloadLayer(FullLayer):
         self._new = (key_states[0], value_states[0])
         return key_states, value_states
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-        """q: [1, H, Tq, D] -> [1, Tq, H, D]."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                  phase: Phase) -> torch.Tensor:
+        """q: [1, H, Tq, D] -> [1, Tq, H, D]: dense before the context's end; then speculative
+        decode (PREDECODE, SPEC) over the low-bit copy and the prefetched rows, or exact."""
         if not self.compressed:
-            out = causal_attention(q, k, v, scaling)
-            if self.ctx.state.phase == "compress":
-                self._offload_context()
-            return out
-        phase = self.ctx.state.phase
-        if phase in ("predecode", "spec"):
-            return self._speculate(q, scaling, commit=phase == "spec")
+            return causal_attention(q, k, v, scaling)
+        if phase.speculative:
+            return self._speculate(q, scaling, commit=phase is Phase.SPEC)
         return self._exact(q, scaling)
+
+    def end_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+        self.compress_now(q, scaling)
 
     # -- prefill ---------------------------------------------------------------------------------
     def compress_now(self, q: torch.Tensor, scaling: float) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from executor.layers.evicted import EvictedLayer
-from executor.layers.full import LayerContext
+from executor.layers.base import LayerContext, UnsupportedPlan
 from kernels import lowbit_scores, quant_attend, quantize_pack, unpack_dequantize
 from kernels.quant_decode import QuantRows
 from kvcore import cost
@@ -164,7 +164,6 @@ class QuantLayer(EvictedLayer):
     kind = "quant"
 
     def __init__(self, plan: LayerPlan, ctx: LayerContext):
-        from executor.cache import UnsupportedPlan      # executor.cache imports this package
         if plan.codebook is not None:
             raise UnsupportedPlan(f"layer {plan.layer}: codebook + quant do not stack yet; plan one of them")
         why = check_quant(plan.quant, ctx.head_dim)
