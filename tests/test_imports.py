@@ -1,0 +1,138 @@
+"""The import graph of kvplan's own packages, module-level and function-level imports alike
+(read with `ast`, nothing imported): no cycle, and neither of `planner` and `executor` imports
+the other — what both need lives in `kvcore`.
+
+An edge goes to the module an import names: `from a.b import c` is a.b.c when that is a module,
+else a.b; a package's `__init__` is a module of its own, reached only when an import names the
+package. The checker is tested on a made-up tree too, so a rule that could never fail is caught."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("planner", "executor", "cachestore", "kernels", "kvplan", "kvcore")
+APART = ("planner", "executor")          # neither imports the other
+
+
+def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of `packages` under `root`."""
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _known(name: str, mods: dict[str, Path]) -> str | None:
+    """The longest prefix of `name` that is one of `mods` (None: outside them)."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Every module of `mods` that `name` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {_known(a.name, mods) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:                                   # relative: from the package up
+                up = package
+                for _ in range(node.level - 1):
+                    up = up.rpartition(".")[0]
+                base = f"{up}.{base}" if base else up
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else _known(base, mods) for a in node.names}
+    return out - {None, name}
+
+
+def graph(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
+    mods = modules(root, packages)
+    return {name: imports(name, path, mods) for name, path in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative), sorted."""
+    index, low, on, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in g:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(g[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root), on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w), on.add(w)
+                    work.append((w, iter(sorted(g.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return sorted(found)
+
+
+def crossings(g: dict[str, set[str]], apart=APART) -> list[str]:
+    """'a -> b' for every import from one of `apart`'s packages into another of them."""
+    top = lambda m: m.split(".")[0]                                           # noqa: E731
+    return sorted(f"{m} -> {t}" for m, ts in g.items() for t in ts
+                  if top(m) in apart and top(t) in apart and top(m) != top(t))
+
+
+def test_no_import_cycles():
+    assert cycles(graph(ROOT)) == []
+
+
+def test_planner_and_executor_never_import_each_other():
+    assert crossings(graph(ROOT)) == []
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_the_checker_finds_function_level_cycles_and_crossings(tmp_path):
+    root = _tree(tmp_path, {
+        "planner/__init__.py": "",
+        "planner/a.py": "def f():\n    from planner.b import g\n    return g\n",      # function level
+        "planner/b.py": "from planner import a\nimport kvcore.cost\n",
+        "planner/c.py": "from . import b\n",                                           # relative
+        "executor/__init__.py": "",
+        "executor/x.py": "from kvcore.cost import rows\n",
+        "executor/y.py": "def h():\n    from planner.c import b\n",                     # crossing, function level
+        "kvcore/__init__.py": "",
+        "kvcore/cost.py": "import numpy\n",
+    })
+    g = graph(root, ("planner", "executor", "kvcore"))
+    assert g["planner.c"] == {"planner.b"} and g["executor.x"] == {"kvcore.cost"} and g["kvcore.cost"] == set()
+    assert cycles(g) == [["planner.a", "planner.b"]]
+    assert crossings(g) == ["executor.y -> planner.c"]
+    (root / "planner/a.py").write_text("import kvcore\n")                             # the cycle broken
+    assert cycles(graph(root, ("planner", "executor", "kvcore"))) == []
