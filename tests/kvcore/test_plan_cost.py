@@ -1,0 +1,80 @@
+"""The cost model against the tensors themselves: for every layer kind, at fp16 and fp32 storage,
+a job run step by step through the engine (context chunks, its question, then decode) never holds
+more than `kvcore.plan_cost.plan_bytes` says after its context, and holds exactly that where the
+form does not depend on the data (full, mean-mode eviction, quant); each layer's own bound
+(`bytes_bound`, `kvcore.cost`) holds at every later step, and is met exactly by those forms."""
+import dataclasses
+
+import pytest
+import torch
+
+from executor.engine import KVBudget, LLMEngine, Sampling
+from executor.prompt import Prompt
+from kvcore import plan_cost
+from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant, full_plan
+
+REPEAT = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat", span_tokens=4, sink_tokens=2)
+MEAN = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="mean")
+EXACT = {"full", "snapkv-mean", "h2o", "quant"}           # bytes fixed by the plan, not by the data
+CHUNK, NEW = 32, 12
+PROMPT = Prompt(list(range(500, 611)), list(range(700, 706)))      # 111 context tokens, a 6-token question
+
+
+def _plans(m: int) -> dict[str, CompressionPlan]:
+    def each(**parts):
+        return CompressionPlan("p", "t", tuple(LayerPlan(i, **parts) for i in range(m)))
+    return {
+        "full": full_plan(m, "f"),
+        "snapkv-mean": each(eviction=MEAN),
+        "h2o": each(eviction=dataclasses.replace(MEAN, scorer="h2o")),
+        "snapkv-repeat": each(eviction=REPEAT),
+        "codebook": each(eviction=REPEAT, codebook=Codebook(0.6, 0.5)),
+        "quant": each(eviction=MEAN, quant=Quant(bits=4, group_size=16, residual=8)),
+        "merge": CompressionPlan("p", "t", (LayerPlan(0), LayerPlan(1, merge=Merge(0, 0.6, 0.1, 0.1)))),
+        "offload": dataclasses.replace(full_plan(m, "o"), offload=OffloadPlan(
+            enabled=True, low_bits=2, group_size=16, top_k=16, recent_window=8, sink_tokens=2, value_group_size=16)),
+    }
+
+
+def _steps(lm, plan: CompressionPlan, dtype: torch.dtype):
+    """Run one job a step at a time -> (its predicted bytes, [(held bytes, each layer's bound of the
+    rest of the job)] after every step once its context is compressed)."""
+    engine = LLMEngine(lm, dtype, KVBudget(1 << 40), max_batched_tokens=CHUNK, prefill_chunk=CHUNK)
+    sampling = Sampling(NEW, ignore_eos=True)
+    seq = engine.sequence(PROMPT, plan, sampling)
+    engine.add(seq)
+    context, question = len(PROMPT.context_ids), len(PROMPT.question_ids)
+    seen = []
+    while engine.has_work():
+        engine.step()
+        if seq.done_tokens < context:
+            continue
+        fed = seq.done_tokens + max(0, len(seq.generated) - 1)                 # rows the cache holds
+        rest = [min(CHUNK, context + question - a) for a in range(fed, context + question, CHUNK)]
+        rest += [1] * (context + question + NEW - 1 - max(fed, context + question))
+        seen.append((seq.kv_bytes(), [layer.bytes_bound(rest) for layer in seq.cache.layers],
+                     [sum(t.nbytes for t in layer.tensors()) for layer in seq.cache.layers]))
+    predicted = plan_cost.plan_bytes(seq.plan, lm.num_kv_heads, lm.num_query_heads, lm.head_dim, context, question,
+                                     NEW, dtype.itemsize, CHUNK)
+    return predicted, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("name", list(_plans(2)))
+@torch.inference_mode()
+def test_the_cost_model_is_what_the_tensors_hold_at_every_step(tiny_model, name, dtype):
+    predicted, seen = _steps(tiny_model, _plans(tiny_model.num_layers)[name], dtype)
+    assert len(seen) >= NEW                                   # the question's step and every decode step
+    held = [h for h, _, _ in seen]
+    assert max(held) <= predicted
+    if name in EXACT:
+        assert max(held) == predicted
+    for i, (_, bounds, _) in enumerate(seen):                 # a layer's bound holds for the rest of the job
+        later = [per_layer for _, _, per_layer in seen[i:]]
+        for j, bound in enumerate(bounds):
+            assert max(x[j] for x in later) <= bound
+            if name in EXACT:
+                assert max(x[j] for x in later) == bound
+    if name == "full":                                        # the dense rows in the storage dtype, spare rows held
+        assert predicted == sum(plan_cost.cost.capacities(0, 0, [32, 32, 32, 15, 6] + [1] * (NEW - 1))[-1:]) \
+            * tiny_model.num_layers * tiny_model.num_kv_heads * 2 * tiny_model.head_dim * dtype.itemsize
