@@ -22,6 +22,7 @@ class Item:
     at_s: float                                  # arrival, seconds after the load starts
     profile: str = ""                            # jobs of one profile may share a plan (the planner's sample)
     ignore_eos: bool = False                     # generate new_tokens whatever the model says
+    adaptive: bool = False                       # an adaptive budget (ratio unset): the load decides
 
 
 @dataclass
@@ -78,7 +79,7 @@ def run(address: str, items: list[Item], timeout_s: float = 7200.0) -> list[Sent
         time.sleep(max(0.0, s.item.at_s - (time.perf_counter() - t0)))
         it = s.item
         req = request(it.case.context + "\n\n" + it.case.question, max_new_tokens=it.new_tokens, strategy=it.strategy,
-                      reserve_ratio=it.ratio, profile=it.profile, ignore_eos=it.ignore_eos)
+                      reserve_ratio=it.ratio, profile=it.profile, ignore_eos=it.ignore_eos, adaptive=it.adaptive)
         s.t_submit = time.perf_counter()
         try:
             with ExecutorClient(address, timeout_s=timeout_s) as client:

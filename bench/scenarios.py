@@ -3,7 +3,9 @@
     itl        jobs decode; one long prompt arrives; their gaps while it prefills against one
                prefill chunk alone plus one decode step, both timed by the engine in the run
     batching   the same full-KV jobs one at a time, then all at once: decode tokens/s of each,
-               and whether every answer is the same"""
+               and whether every answer is the same
+    burst      quiet -> a burst of three times the jobs full KV holds -> quiet, under one budget:
+               full, fixed auto and an adaptive budget, per phase"""
 from __future__ import annotations
 
 import json
@@ -94,4 +96,73 @@ def batching(args, tok, cases) -> None:
           f"{res['correct_alone']} / {res['correct_together']} |")
 
 
-SCENARIOS = {"itl": itl, "batching": batching}
+QUIET = 2          # jobs per quiet phase, each sent when the one before it ended
+
+
+def burst(args, tok, cases) -> None:
+    """Quiet -> burst (3K jobs at once, K = --budget-jobs) -> quiet, per budget kind: the ratio each
+    job got, answers, TTFT per phase, decode tokens/s of the burst's steps."""
+    from bench.serve import _shape, full_job_bytes
+    from kvplan import model as models
+    from kvplan.config import ModelConfig, from_env
+    k = args.budget_jobs[0]
+    length = max(args.lengths)
+    budget = args.kv_budget_bytes or int(k * full_job_bytes(_shape(from_env(ModelConfig), args.max_batched_tokens),
+                                                            length + 64, args.new_tokens))
+    n_burst = int(round(3 * k))
+    pool = load.cases(tok, 2 * QUIET + n_burst, args.lengths)
+    kinds = {"full": dict(strategy="full", ratio=None), f"auto@{args.ratio:g}": dict(strategy="auto", ratio=args.ratio),
+             "adaptive": dict(strategy="auto", ratio=None, adaptive=True)}
+    runs, texts = [], {}
+    for name, kind in kinds.items():
+        def item(c):
+            return load.Item(c, new_tokens=args.new_tokens, at_s=0.0, ignore_eos=not args.stop_at_eos, **kind)
+        print(f"[burst] {name} under {budget / 2**20:.0f} MiB ...", flush=True)
+        env = {**_env(args, budget), "KVPLAN_DEFAULT_MAX_NEW_TOKENS": str(args.new_tokens)}
+        with Stack(env, args.out / "logs" / f"burst-{name}") as stack:
+            load.run(stack.executor_addr, [load.Item(pool[0], "full", None, 2, 0.0)])     # one-off costs, untimed
+            phases, marks = {}, [stack.metrics()]
+            for phase, sel in (("quiet", pool[:QUIET]), ("burst", pool[QUIET:QUIET + n_burst]),
+                               ("quiet after", pool[QUIET + n_burst:])):
+                sent = load.run(stack.executor_addr, [item(c) for c in sel]) if phase == "burst" else \
+                    [load.run(stack.executor_addr, [item(c)])[0] for c in sel]
+                time.sleep(1.5)
+                marks.append(stack.metrics())
+                phases[phase] = _phase(sent, marks[-2], marks[-1], budget)
+        texts[name] = {s["id"]: s["text"] for ph in phases.values() for s in ph.pop("jobs")}
+        runs.append(dict(kind=name, **kind, phases=phases))
+    for r in runs:                         # answers as full's: the same text, job by job, in each phase
+        for ph in r["phases"].values():
+            ph["as_full"] = sum(texts[r["kind"]][i] == texts["full"].get(i) for i in ph["ids"])
+    res = dict(scenario="burst", budget_bytes=budget, budget_jobs=k, length=length, new_tokens=args.new_tokens,
+               burst_jobs=n_burst, quiet_jobs=QUIET, runs=runs, when=time.strftime("%Y-%m-%d %H:%M"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "burst.json").write_text(json.dumps(res, indent=1))
+    print("| budget | phase | jobs | ratio chosen (min-max) | why | measured ratio | correct | as full | "
+          "TTFT p50/p99 s | decode tok/s | most decoding (so far) | peak KV / budget (so far) |")
+    print("|---|---|---:|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for r in runs:
+        for phase, ph in r["phases"].items():
+            print(f"| {r['kind']} | {phase} | {ph['requests']} | {ph['ratio_min']:g}-{ph['ratio_max']:g} | "
+                  f"{ph['reasons']} | {ph['measured_ratio']:.3f} | {ph['correct']}/{ph['requests']} | "
+                  f"{ph['as_full']}/{ph['requests']} | {ph['ttft'][0]:.1f}/{ph['ttft'][2]:.1f} | "
+                  f"{ph['decode_tps']:.1f} | {ph['most_decoding']:.0f} | {ph['peak_kv_bytes'] / budget:.3f} |")
+
+
+def _phase(sent, before, after, budget) -> dict:
+    s = summarize(sent, before, after, budget)
+    ok = [x.result for x in sent if x.result is not None]
+    chosen = [r.budget_ratio if r.budget_reason else (r.reserve_ratio if r.strategy == "full" else None) for r in ok]
+    chosen = [c for c in chosen if c is not None] or [float("nan")]
+    reasons = sorted({r.budget_reason for r in ok if r.budget_reason})
+    return dict(requests=s["requests"], done=s["done"], correct=s["correct"], ttft=s["ttft"],
+                decode_tps=s["decode_tps"], most_decoding=s["most_decoding"], peak_kv_bytes=s["peak_kv_bytes"],
+                measured_ratio=s["measured_ratio"], ratio_min=min(chosen), ratio_max=max(chosen),
+                reasons=",".join(reasons) or "-", errors=s["errors"], ids=[x.item.case.id for x in sent],
+                jobs=[dict(id=x.item.case.id, text=x.result.text if x.result else "", correct=x.correct,
+                           ratio=x.result.budget_ratio if x.result else None,
+                           reason=x.result.budget_reason if x.result else None,
+                           measured=x.result.reserve_ratio if x.result else None, ttft_s=x.ttft_s) for x in sent])
+
+
+SCENARIOS = {"itl": itl, "batching": batching, "burst": burst}

@@ -21,6 +21,9 @@ all decode; their inter-token gaps while it prefills are reported against one pr
 alone plus one decode step, both measured by the engine in the same run.
 `--scenario batching`: `--requests` full-KV jobs one at a time, then all at once, on one
 executor: decode tokens/s of each and whether every answer is the same (`bench.scenarios`).
+`--scenario burst`: under a budget of `--budget-jobs` K full-KV jobs, quiet (jobs one after
+another) -> a burst of 3K jobs at once -> quiet, for `full`, `auto` at `--ratio` and an adaptive
+budget (`auto`): ratio chosen, answers and TTFT per phase, decode tokens/s in the burst.
 
 Writes <out>/serve.json (and the budget plot), prints markdown tables."""
 from __future__ import annotations
@@ -108,7 +111,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-jobs", type=float, nargs="+", default=[4.0])
     ap.add_argument("--kv-budget-bytes", type=int, default=0)
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
-    ap.add_argument("--scenario", choices=("throughput", "itl", "batching"), default="throughput")
+    ap.add_argument("--scenario", choices=("throughput", "itl", "batching", "burst"), default="throughput")
     ap.add_argument("--long", type=int, default=4000, help="itl scenario: the arriving prompt's tokens")
     ap.add_argument("--max-batched-tokens", type=int, default=512,
                     help="KVPLAN_MAX_BATCHED_TOKENS and KVPLAN_PREFILL_CHUNK of the executor")
