@@ -21,17 +21,19 @@ Without an eviction part the layer keeps every token and codes each part where t
 fewer bytes."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from executor.attention import causal_attention
+from executor.attention import causal_attention, group_attention
+from executor.layers.candidate import Candidate, CodedPart, first_rank
 from executor.layers.evicted import EvictedLayer, Kept
-from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, _sdpa, dense_bytes, index_bytes
+from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes, index_bytes
 from kernels import build_codebook, mergeable_share, reconstruct
 from kernels.rope_reconstruct import unrotate_rope
+from kvcore.cost import POS_BYTES
 
 CANDIDATES = 2    # the codebook may keep at most this many times the tokens of the dense budget
-BIG = 1 << 40
-POS_BYTES = 4     # int32 position per coded key
 MODES = ((), ("v",), ("k",), ("k", "v"))   # which parts a layer may code: it takes the least predicted error
 
 
@@ -66,20 +68,21 @@ class CodebookLayer(EvictedLayer):
         for g in range(hk):
             toks, rk = tokens[g * hn:(g + 1) * hn], ranks[g * hn:(g + 1) * hn]                # [h_n, f + k_max]
             uniq, inv = torch.unique(toks.flatten(), return_inverse=True)                  # [U] sorted positions
-            min_rank = torch.full((len(uniq),), BIG).scatter_reduce(0, inv, rk.flatten(), "amin")  # [U]
+            min_rank = torch.empty(len(uniq), dtype=rk.dtype).scatter_reduce(
+                0, inv, rk.flatten(), "amin", include_self=False)                         # [U] every token has a rank
             weight = torch.bincount(inv, minlength=len(uniq)).float()
-            cand = self._candidate(k[g, uniq], v[g, uniq], uniq, weight, min_rank)
-            cand["head_rank"] = torch.full((hn, len(uniq)), BIG).scatter_(1, inv.view(hn, -1), rk)  # [h_n, U]
-            cands.append(cand)
+            head_rank = torch.full((hn, len(uniq)), k_max).scatter_(1, inv.view(hn, -1), rk)   # [h_n, U]
+            cands.append(dataclasses.replace(self._candidate(k[g, uniq], v[g, uniq], uniq, weight, min_rank),
+                                             head_rank=head_rank))
         ks = torch.arange(k_max + 1)
         q_win = q[:, -max(1, min(ev.window, q.shape[1])):].float()                        # [H, W, D]
         exact = causal_attention(q_win[None], k[None].float(), v[None].float(), scaling)[0].transpose(0, 1)  # [H, W, D]
 
         best = None
         for parts in MODES:
-            if parts and not all(any(c["parts"][p]["codes"] is not None for c in cands) for p in parts):
+            if parts and not all(any(c.parts[p].codable for c in cands) for p in parts):
                 continue                                        # nothing to code: same as a smaller mode
-            size = sum(c["bytes"](ks, parts) + (hn * c["rows"](ks) if hn > 1 else 0) for c in cands)   # + head masks
+            size = sum(c.bytes(ks, parts) + (hn * c.rows(ks) if hn > 1 else 0) for c in cands)   # + head masks
             fits = torch.nonzero(size <= budget).flatten()
             k_star = int(fits.max()) if len(fits) else 0
             err = self._predicted_error(q_win, exact, cands, k_star, parts, scaling, t)
@@ -91,7 +94,7 @@ class CodebookLayer(EvictedLayer):
         groups = [self._group(c, k_star, parts) for c in cands]
         self.compress(Kept(rows, self.repeat), k, v, groups)
 
-    def _predicted_error(self, q_win: torch.Tensor, exact: torch.Tensor, cands: list[dict], k_star: int,
+    def _predicted_error(self, q_win: torch.Tensor, exact: torch.Tensor, cands: list[Candidate], k_star: int,
                          parts: tuple[str, ...], scaling: float, t: int) -> float:
         """Relative squared error of the observation window's attention output (q_win [H, W, D]
         at the last W of t positions, exact [H, W, D]) when each group keeps its tokens ranked below k_star, in the form a
@@ -101,71 +104,45 @@ class CodebookLayer(EvictedLayer):
         w = q_win.shape[1]
         err = 0.0
         for g, c in enumerate(cands):
-            coded = self._coded(c, k_star, parts)
-            kk = c["parts"]["k"]["rebuilt"] if "k" in coded else c["k"].float()            # [U, D] post-RoPE
-            vv = c["parts"]["v"]["rebuilt"] if "v" in coded else c["v"].float()            # [U, D]
-            kept = c["head_rank"] < k_star                                                  # [h_n, U]
+            coded = c.coded_parts(k_star, parts)
+            kk = c.parts["k"].rebuilt if "k" in coded else c.k.float()                     # [U, D] post-RoPE
+            vv = c.parts["v"].rebuilt if "v" in coded else c.v.float()                     # [U, D]
+            kept = c.head_rank < k_star                                                     # [h_n, U]
             kept = kept.repeat_interleave(hq // kept.shape[0], dim=0)                      # [hq, U]
-            causal = c["uniq"][None, :] <= torch.arange(t - w, t)[:, None]                 # [W, U]
+            causal = c.pos[None, :] <= torch.arange(t - w, t)[:, None]                     # [W, U]
             mask = kept[:, None, :] & causal[None]                                         # [hq, W, U]
-            out = _sdpa(q_win[g * hq:(g + 1) * hq], kk, vv, mask, scaling)                  # [hq, W, D]
+            out = group_attention(q_win[g * hq:(g + 1) * hq], kk, vv, mask, scaling)        # [hq, W, D]
             err += float((out - exact[g * hq:(g + 1) * hq]).pow(2).sum())
         return err / max(float(exact.pow(2).sum()), 1e-12)
 
     def _candidate(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor,
-                   min_rank: torch.Tensor) -> dict:
+                   min_rank: torch.Tensor) -> Candidate:
         """A group's candidate tokens (k, v [U, D], pos [U], weight [U]; min_rank [U] = the
-        smallest eviction rank k that keeps each): codebooks over them where one could pay, and
-        the group's bytes as a function of k (each part in its smaller form)."""
+        smallest eviction rank k that keeps each), with codebooks over them where one could pay."""
         cb, elem, d = self.plan.codebook, self.storage_dtype.itemsize, k.shape[1]
-        sorted_rank = min_rank.sort().values
         row_index = int(index_bytes(torch.tensor(len(pos))))         # the widest index these rows could need
         parts = {}
         for name, x, theta, extra in (("k", unrotate_rope(k.float(), pos, *self.ctx.rope), cb.theta_k, POS_BYTES),
                                       ("v", v.float(), cb.theta_v, 0)):
             per_row = (row_index + elem + extra) / (d * elem)        # coded row overhead / dense row
-            codes = build_codebook(x, theta, weight) if mergeable_share(x, theta) > per_row else None
-            first = rebuilt = None
-            if codes is not None:
-                first = torch.full((len(codes[0]),), BIG).scatter_reduce(0, codes[1], min_rank, "amin").sort().values
-                rope = (pos, *self.ctx.rope) if name == "k" else ()
-                rebuilt = reconstruct(codes[0].to(self.storage_dtype), codes[1], codes[2].to(self.storage_dtype), *rope)
-            parts[name] = dict(codes=codes, first=first, extra=extra, theta=theta, rebuilt=rebuilt)
+            if mergeable_share(x, theta) <= per_row:
+                parts[name] = CodedPart(name, theta, extra, None)
+                continue
+            codes = build_codebook(x, theta, weight)
+            rope = (pos, *self.ctx.rope) if name == "k" else ()
+            rebuilt = reconstruct(codes[0].to(self.storage_dtype), codes[1], codes[2].to(self.storage_dtype), *rope)
+            parts[name] = CodedPart(name, theta, extra, codes, first_rank(codes[1], min_rank), rebuilt)
+        return Candidate(pos, k, v, weight, min_rank, parts, elem)
 
-        def count(sorted_values, ks):           # how many values are < k, for each k
-            return torch.searchsorted(sorted_values, ks)
-
-        def part_bytes(part, ks):               # (coded or BIG, dense) bytes of one tensor
-            u = count(sorted_rank, ks)
-            dense = u * d * elem
-            if part["codes"] is None:
-                return torch.full_like(dense, BIG), dense
-            ent = count(part["first"], ks)
-            return ent * d * elem + u * (index_bytes(ent) + elem + part["extra"]), dense
-
-        def total(ks, coded=("k", "v")):      # bytes for each k, the parts in `coded` in their smaller form
-            return sum(torch.minimum(*part_bytes(p, ks)) if name in coded else part_bytes(p, ks)[1]
-                       for name, p in parts.items())
-
-        return dict(uniq=pos, k=k, v=v, weight=weight, min_rank=min_rank, parts=parts,
-                    part_bytes=part_bytes, bytes=total, rows=lambda ks: count(sorted_rank, ks))
-
-    @staticmethod
-    def _coded(cand: dict, k_star: int, allowed: tuple[str, ...]) -> tuple[str, ...]:
-        """The parts of a group stored coded at k_star: allowed, and smaller than dense rows."""
-        ks = torch.tensor([k_star])
-        return tuple(name for name in allowed
-                     if int((b := cand["part_bytes"](cand["parts"][name], ks))[0]) < int(b[1]))
-
-    def _group(self, cand: dict, k_star: int, allowed: tuple[str, ...]):
+    def _group(self, cand: Candidate, k_star: int, allowed: tuple[str, ...]):
         """The token store of one group keeping its tokens first kept at k < k_star."""
-        sel = cand["min_rank"] < k_star
+        sel = cand.kept(k_star)
         stored = {}
-        for name in self._coded(cand, k_star, allowed):
-            part = cand["parts"][name]
-            c, ref, mag = part["codes"]
-            stored[name] = CodedRows(c, ref[sel], mag[sel], part["theta"], self.storage_dtype)
+        for name in cand.coded_parts(k_star, allowed):
+            part = cand.parts[name]
+            c, ref, mag = part.codes
+            stored[name] = CodedRows(c, ref[sel], mag[sel], part.theta, self.storage_dtype)
         if not stored:
-            return DenseGroup(cand["k"][sel], cand["v"][sel], cand["uniq"][sel], self.storage_dtype)
-        return CodebookGroup(stored.get("k", cand["k"][sel]), stored.get("v", cand["v"][sel]),
-                             cand["uniq"][sel], self.storage_dtype, self.ctx.rope)
+            return DenseGroup(cand.k[sel], cand.v[sel], cand.pos[sel], self.storage_dtype)
+        return CodebookGroup(stored.get("k", cand.k[sel]), stored.get("v", cand.v[sel]),
+                             cand.pos[sel], self.storage_dtype, self.ctx.rope)

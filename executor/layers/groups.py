@@ -8,8 +8,8 @@ RoPE re-applied on reconstruction, new tokens join their best entry above θ or 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from executor.attention import group_attention
 from kernels import build_codebook, match_or_append, reconstruct
 from kvcore import cost
 from kernels.rope_reconstruct import unrotate_rope
@@ -81,7 +81,7 @@ class DenseGroup:
         """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
         -> [h_n, Tq, D]."""
         k, v = self.materialize(q.dtype)
-        return _sdpa(q, k, v, mask, scaling)
+        return group_attention(q, k, v, mask, scaling)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self._k, self._v]
@@ -186,7 +186,7 @@ class CodebookGroup:
         U rows."""
         hn, tq, d = q.shape
         if not self.v_coded:
-            return _sdpa(q, self.keys(q.dtype), self.v.to(q.dtype), mask, scaling)
+            return group_attention(q, self.keys(q.dtype), self.v.to(q.dtype), mask, scaling)
         logits = torch.matmul(q, self.keys(q.dtype).T).mul_(scaling)                          # [h_n, Tq, U]
         if mask is not None:
             logits.masked_fill_(~mask, float("-inf"))
@@ -207,12 +207,3 @@ class CodebookGroup:
         added, d = sum(adds), (self.k if not self.k_coded else self.k.c).shape[-1]
         widen = sum(3 * (p.ref.shape[0] + added) for p in (self.k, self.v) if isinstance(p, CodedRows))
         return now + added * cost.coded_row_bytes(d, self.dtype.itemsize) + widen
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """q: [h_n, Tq, D] over one KV head's k, v [U, D]; mask [h_n, Tq, U] or None -> [h_n, Tq, D].
-    The GQA form of SDPA (one KV head, h_n query heads): several times faster on CPU than
-    broadcasting a batch of one."""
-    out = F.scaled_dot_product_attention(q[None], k[None, None], v[None, None], scale=scaling, enable_gqa=True,
-                                         attn_mask=None if mask is None else mask[None])
-    return out[0]
