@@ -259,7 +259,7 @@ def quantize_pack_reference(
         scale, zero = ((mx - mn) / levels).to(PARAM_DTYPE), mn.to(PARAM_DTYPE)
     s, z = scale.float(), zero.float()
     q = _codes(xg, s, z, levels)                                                # [N, G, g] fp32
-    sx = xg.sum(-1)                                                             # [N, G]
+    sx = xg.sum(-1) if refine else None                                         # [N, G]
     for _ in range(refine):                                                     # least-squares refits
         sq, sqq, sqx = q.sum(-1), (q * q).sum(-1), (q * xg).sum(-1)             # [N, G]
         det = group_size * sqq - sq * sq
@@ -273,6 +273,23 @@ def quantize_pack_reference(
     shifts = torch.arange(per, dtype=torch.int32, device=x.device) * bits        # [P]
     codes = (q.reshape(n, L // per, per) << shifts).sum(dim=-1).to(torch.uint8)  # [N, L / P]
     return codes, scale, zero
+
+
+def quantize_dequantize_reference(
+    x: torch.Tensor,        # [N, L] fp16/bf16/fp32, L a multiple of group_size
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:          # [N, L] fp32
+    """What `unpack_dequantize(*quantize_pack(x, bits, group_size), bits, group_size)` gives (min/max
+    levels, no refits), without packing the codes: the same fp16 scale and zero, the same codes,
+    code * scale + zero in fp32."""
+    n, L = x.shape
+    levels = (1 << bits) - 1
+    xg = x.float().reshape(n, L // group_size, group_size)                      # [N, G, g]
+    mn, mx = xg.amin(dim=-1), xg.amax(dim=-1)                                   # [N, G]
+    s, z = ((mx - mn) / levels).to(PARAM_DTYPE).float(), mn.to(PARAM_DTYPE).float()
+    q = _codes(xg, s, z, levels)                                                # [N, G, g] fp32
+    return torch.addcmul(z[..., None], q, s[..., None]).view(n, L)
 
 
 def _codes(xg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int) -> torch.Tensor:

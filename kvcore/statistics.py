@@ -98,16 +98,15 @@ def _dequantized(k: torch.Tensor, v: torch.Tensor, bits: int) -> tuple[torch.Ten
     """k, v [H_kv, T, D] -> both through KIVI quantization at `bits` (K per channel over groups
     of QUANT_GROUP tokens, V per token over groups of gcd(QUANT_GROUP, D) channels); the last
     T mod QUANT_GROUP tokens stay exact, as a quant layer's full-precision tail does."""
-    from kernels import quantize_pack, unpack_dequantize
+    from kernels.quant import quantize_dequantize_reference as dequantized      # = unpack(pack(x)), unpacked
     hk, t, d = k.shape
     q_t = t - t % QUANT_GROUP
     kq, vq = k.clone(), v.clone()
     if q_t:
         rows = k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t)                                  # [H_kv D, Q]
-        kq[:, :q_t] = unpack_dequantize(*quantize_pack(rows, bits, QUANT_GROUP), bits, QUANT_GROUP
-                                        ).view(hk, d, q_t).transpose(1, 2)
+        kq[:, :q_t] = dequantized(rows, bits, QUANT_GROUP).view(hk, d, q_t).transpose(1, 2)
         g = math.gcd(QUANT_GROUP, d)
-        vq[:, :q_t] = unpack_dequantize(*quantize_pack(v[:, :q_t].reshape(-1, d), bits, g), bits, g).view(hk, q_t, d)
+        vq[:, :q_t] = dequantized(v[:, :q_t].reshape(-1, d), bits, g).view(hk, q_t, d)
     return kq, vq
 
 

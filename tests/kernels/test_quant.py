@@ -312,3 +312,17 @@ def test_dispatch_on_cpu_without_interpreter_uses_reference():
 
 if __name__ == "__main__":
     _child(sys.argv[1])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_dequantize_is_unpack_of_pack_without_the_codes(bits, dtype):
+    """The plan statistics' storage-form loss quantizes without packing: bit for bit what the
+    packed round trip gives (constant groups included: scale 0)."""
+    from kernels.quant import quantize_dequantize_reference
+    torch.manual_seed(bits)
+    x = (torch.randn(24, 96) * 3).to(dtype)
+    x[3] = 1.5                                                   # a constant row: scale 0, code 0
+    got = quantize_dequantize_reference(x, bits, 32)
+    want = quant.unpack_dequantize_reference(*quant.quantize_pack_reference(x, bits, 32), bits, 32)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
