@@ -1,50 +1,25 @@
-"""The one attention function kvplan registers with transformers ("kvplan").
-
-Every layer of a `PlannedCache` answers attention itself (`layer.attend`): full layers run
-dense causal attention; compressed layers attend over their kept (or reconstructed) tokens,
-padding nothing between steps. The cache in use is set per forward with `using(cache)`.
+"""Attention in the executor: every layer of a `PlannedCache` answers attention itself
+(`layer.attend`): full layers run dense causal attention; compressed layers attend over their
+kept (or reconstructed) tokens, padding nothing between steps. The cache in use is set per
+forward with `using(cache)`: it becomes the handler of the one attention function kvplan
+registers (`kvcore.attention`).
 """
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
-NAME = "kvplan"
-_current: ContextVar = ContextVar("kvplan_cache", default=None)
+from kvcore import attention as dispatch
+from kvcore.attention import NAME, causal_attention  # noqa: F401  (the layers import it from here)
 
 
 @contextlib.contextmanager
 def using(cache):
-    token = _current.set(cache)
-    try:
+    """Each layer of this forward attends through `cache.layers[layer_idx]`."""
+    with dispatch.using(lambda module, q, k, v, scaling: cache.layers[module.layer_idx].attend(q, k, v, scaling)):
         yield cache
-    finally:
-        _current.reset(token)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                     visible_prefix: int = 0) -> torch.Tensor:
-    """q: [1, H, Tq, D] (the last Tq positions); k, v: [1, H or H_kv, T, D] -> [1, Tq, H, D].
-
-    The first `visible_prefix` keys are seen by every query; the rest are causal, the queries
-    being the last Tq of them."""
-    tq, t = q.shape[-2], k.shape[-2]
-    gqa = k.shape[1] != q.shape[1]
-    if tq == 1:
-        out = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa)
-    elif tq == t and visible_prefix == 0:
-        out = F.scaled_dot_product_attention(q, k, v, scale=scaling, is_causal=True, enable_gqa=gqa)
-    else:
-        cols = torch.arange(t)
-        rows = torch.arange(tq)[:, None] + (t - tq)
-        mask = (cols[None, :] <= rows) | (cols[None, :] < visible_prefix)          # [Tq, T]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous()
 
 
 def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -57,17 +32,5 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out[0]
 
 
-def kvplan_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs):
-    """query: [1, H, Tq, D] post-RoPE; key/value: what the layer's `update` returned."""
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    cache = _current.get()
-    if cache is None:                            # no planned cache (e.g. a plain forward)
-        return causal_attention(query, key, value, scaling), None
-    return cache.layers[module.layer_idx].attend(query, key, value, scaling), None
-
-
 def register() -> str:
-    AttentionInterface.register(NAME, kvplan_attention)
-    AttentionMaskInterface.register(NAME, lambda *args, **kwargs: None)   # layers mask themselves
-    return NAME
+    return dispatch.register()

@@ -5,19 +5,32 @@ adjacent-layer angles, storage-form losses). The executor's own prefill collects
 context's end, so a job it sends statistics with needs no probe; this engine serves `kvplan plan`,
 profiles, benches and requests that come without them.
 
-Layers run one at a time over the whole prompt; only the residual stream [T, hidden] and the
-previous layer's pre-RoPE K/V live across layers; window scores are [H, W, T] logits per layer,
-never a T x T matrix."""
+The model runs its own layers (`model.model(...)`: embeddings, norms, projections, q/k norms,
+MLPs — whatever its architecture has), its attention set to kvplan's (`kvcore.attention`), whose
+handler for a probe's forward is `_Collector`. To see keys before RoPE exactly, a hook hands each
+attention module the identity rotation (cos 1, sin 0) while a probe runs; the collector applies
+the model's own `apply_rotary_pos_emb` with the real cos/sin, gathers the layer's statistics,
+and attends causally. After the last layer's statistics it stops the forward. Only the residual
+stream [T, hidden] and the previous layer's pre-RoPE K/V live across layers; window scores are
+[H, W, T] logits per layer, never a T x T matrix.
+
+Setting a model's attention to kvplan's changes nothing for other forwards: with no handler it is
+plain causal attention, the executor's when it steps (a context variable per thread)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from contextvars import ContextVar
 
 import torch
-import torch.nn.functional as F
 
+from kvcore import attention
 from kvcore.statistics import ERROR_QUERIES, LayerStatistics, ProbeStats
 from planner.request import InvalidRequest
+
+_rope: ContextVar[dict | None] = ContextVar("kvplan_probe_rope", default=None)   # layer -> (cos, sin), a probe's
+_HOOKED = "_kvplan_probe_hooked"
 
 
 def once(run, token_ids: list[int], on_probe=None):
@@ -71,33 +84,81 @@ class Prober:
     def probe(self, token_ids: list[int], gqa_mode: str = "repeat", losses: bool = False) -> ProbeStats:
         """token_ids: the prompt as the executor will prefill it -> statistics for every layer
         (`losses`: also what storage forms would lose, for `auto`)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         if not token_ids:
             raise ValueError("token_ids: the probe needs the prompt's tokens, got none")
         start = time.perf_counter()
         lm = self.model()
         check_tokens(token_ids, lm.max_context, lm.model.config.vocab_size)
-        inner = lm.model.model
-        hk, hq, d = lm.num_kv_heads, lm.num_query_heads, lm.head_dim
-        t = len(token_ids)
-        w = min(self.window, t)
-        ids = torch.tensor([token_ids])
-        h = inner.embed_tokens(ids)                                                          # [1, T, hidden]
-        cos, sin = inner.rotary_emb(h, torch.arange(t)[None])
+        layers = _prepare(lm.model)
         stats = LayerStatistics(gqa_mode, losses, self.window, self.pool_kernel, self.sample)
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, t, hq, d).transpose(1, 2)                             # [1, H, T, D]
-            k = attn.k_proj(x).view(1, t, hk, d).transpose(1, 2)                             # [1, H_kv, T, D] pre-RoPE
-            v = attn.v_proj(x).view(1, t, hk, d).transpose(1, 2)
-            q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)
-            stats.add(q_rot[0, :, t - max(w, min(ERROR_QUERIES, t)):], k_rot[0], k[0], v[0], attn.scaling)
-            if i == len(inner.layers) - 1:          # the last attention's statistics are all we need
-                break
-            o = F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=True, scale=attn.scaling,
-                                               enable_gqa=hq != hk)                            # [1, H, T, D]
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, hq * d))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        collect = _Collector(stats, len(layers), max(min(self.window, len(token_ids)), min(ERROR_QUERIES, len(token_ids))))
+        device = lm.model.get_input_embeddings().weight.device
+        token = _rope.set({})
+        try:
+            with attention.using(collect):
+                lm.model.model(input_ids=torch.tensor([token_ids], device=device), use_cache=False)
+        except _Done:
+            pass
+        finally:
+            _rope.reset(token)
+        if collect.layers != len(layers):
+            raise RuntimeError(f"the probe saw {collect.layers} of the model's {len(layers)} attention layers")
         return stats.result(time.perf_counter() - start)
+
+
+class _Done(Exception):
+    """The last layer's statistics are in: the rest of the forward is not needed."""
+
+
+class _Collector:
+    """The attention handler of a probe's forward: per layer, in order, the statistics of its
+    queries and keys (RoPE applied as the model applies it) and causal attention over them."""
+
+    def __init__(self, stats: LayerStatistics, num_layers: int, last_queries: int):
+        self.stats, self.num_layers, self.last_queries, self.layers = stats, num_layers, last_queries, 0
+
+    def __call__(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q: [1, H, T, D], k, v: [1, H_kv, T, D], pre-RoPE (the hook's identity rotation) -> [1, T, H, D]."""
+        cos, sin = _rope.get()[module.layer_idx]
+        q_rot, k_rot = _rotary(module)(q, k, cos, sin)
+        t = k.shape[-2]
+        self.stats.add(q_rot[0, :, t - self.last_queries:], k_rot[0], k[0], v[0], scaling)
+        self.layers += 1
+        if self.layers == self.num_layers:
+            raise _Done()
+        return attention.causal_attention(q_rot, k_rot, v, scaling)
+
+
+def _rotary(module):
+    """The `apply_rotary_pos_emb` of the module's own modeling file."""
+    fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise NotImplementedError(f"{type(module).__name__}: no apply_rotary_pos_emb in {type(module).__module__}; "
+                                  "the probe cannot see its keys before RoPE")
+    return fn
+
+
+def _identity_rope(module, args, kwargs):
+    """While a probe runs (in this context): keep the layer's (cos, sin) for the collector and hand
+    the module the identity rotation, so its attention receives pre-RoPE queries and keys."""
+    seen = _rope.get()
+    if seen is None:
+        return None
+    if "position_embeddings" not in kwargs:
+        raise NotImplementedError(f"{type(module).__name__} takes no position_embeddings: the probe cannot see "
+                                  "its keys before RoPE")
+    cos, sin = kwargs["position_embeddings"]
+    seen[module.layer_idx] = (cos, sin)
+    return args, {**kwargs, "position_embeddings": (torch.ones_like(cos), torch.zeros_like(sin))}
+
+
+def _prepare(model) -> list:
+    """The model's attention set to kvplan's and its attention modules hooked (once) -> the
+    decoder layers."""
+    if model.config._attn_implementation != attention.NAME:
+        model.set_attn_implementation(attention.register())
+    if not getattr(model, _HOOKED, False):
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_pre_hook(_identity_rope, with_kwargs=True)
+        setattr(model, _HOOKED, True)
+    return model.model.layers

@@ -146,3 +146,74 @@ def test_once_probes_each_mode_once_and_upgrades_to_losses():
     assert probe(gqa_mode="repeat") is b and probe(gqa_mode="repeat", losses=True) is b
     probe(gqa_mode="mean")
     assert calls == [("repeat", False), ("repeat", True), ("mean", False)] and len(seen) == 3
+
+
+def _random_model(arch: str):
+    """A 3-layer random model of another architecture (GQA 6:2, head dim 16): Qwen2 (biased q/k/v
+    projections) or Qwen3 (RMS norms on each head's queries and keys before RoPE)."""
+    from pathlib import Path
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from kvplan.model import LoadedModel
+    torch.manual_seed(5)
+    config, model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    cfg = config(vocab_size=2000, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+                 attn_implementation="sdpa")
+    m = model(cfg).eval()
+    return LoadedModel(m, None, Path("."), arch, 3, 2, 6, 16, 512)
+
+
+def _pre_rope_keys(lm, ids):
+    """Per layer the eager attention weights [H, T, T] and the keys as the model holds them before
+    RoPE [H_kv, T, D] (after the per-head key norm, where the architecture has one), and V."""
+    kv, hooks = {}, []
+    for i, layer in enumerate(lm.model.model.layers):
+        a = layer.self_attn
+        k_out = getattr(a, "k_norm", None) or a.k_proj
+        shape = (lambda y: y[0].transpose(0, 1)) if k_out is not a.k_proj else \
+            (lambda y: y[0].view(len(ids), lm.num_kv_heads, lm.head_dim).transpose(0, 1))
+        hooks.append(k_out.register_forward_hook(lambda m, x, y, i=i, s=shape: kv.__setitem__(("k", i), s(y))))
+        hooks.append(a.v_proj.register_forward_hook(
+            lambda m, x, y, i=i: kv.__setitem__(("v", i), y[0].view(len(ids), lm.num_kv_heads, lm.head_dim).transpose(0, 1))))
+    old = lm.model.config._attn_implementation
+    lm.model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            out = lm.model(torch.tensor([ids]), output_attentions=True, use_cache=False)
+    finally:
+        lm.model.config._attn_implementation = old
+        for h in hooks:
+            h.remove()
+    return [a[0] for a in out.attentions], [(kv[("k", i)], kv[("v", i)]) for i in range(lm.num_layers)]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_probe_statistics_are_the_full_forwards_attention_on_other_architectures(arch):
+    lm = _random_model(arch)
+    ids = list(range(100, 160))
+    stats = Prober(lm=lm, window=8, pool_kernel=3, sample=1000).probe(ids, "repeat")
+    attn, kv = _pre_rope_keys(lm, ids)                  # after the probe: its hooks act only while it runs
+    t = len(ids)
+    assert stats.window_scores.shape == (3, 6, t)
+    for i in range(3):
+        want = pooled(attn[i][:, -8:].sum(1).float(), 3)
+        np.testing.assert_allclose(stats.window_scores[i], want.numpy(), rtol=1e-4, atol=1e-6)
+        for x, theta, got in ((kv[i][0], 0.9, stats.k_similar[i]), (kv[i][1], 0.6, stats.v_similar[i])):
+            xn = F.normalize(x.float(), dim=-1)
+            share = float((xn @ xn.transpose(1, 2) > theta)[:, ~torch.eye(t, dtype=torch.bool)].float().mean())
+            assert got == pytest.approx(share, abs=1e-6)
+    assert stats.k_angle[0] == pytest.approx(angle(kv[0][0], kv[1][0]), abs=1e-6)
+    assert stats.v_angle[1] == pytest.approx(angle(kv[1][1], kv[2][1]), abs=1e-6)
+    assert lm.model.config._attn_implementation == "kvplan"
+    plain = lm.model(torch.tensor([ids]), use_cache=False).logits       # no probe running: plain causal attention
+    lm.model.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(plain, lm.model(torch.tensor([ids]), use_cache=False).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sliding_window_shorter_than_the_prompt_is_refused():
+    lm = _random_model("qwen2")
+    lm.model.config.use_sliding_window, lm.model.config.sliding_window = True, 16
+    for layer in lm.model.model.layers:
+        layer.self_attn.sliding_window = 16
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        Prober(lm=lm, window=8).probe(list(range(100, 140)))
