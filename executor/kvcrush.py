@@ -161,7 +161,7 @@ def select(scores: torch.Tensor, stats: torch.Tensor, num_tokens: int, keep: int
     n_rep = rep_budget(keep, ev.kvcrush)
     if n_rep == 0 or keep == m:
         rows = scoring.select(scores, num_tokens, keep, ev.window, ev.sink_tokens, heads)
-        return Crushed(rows, torch.empty(0, dtype=torch.long))
+        return Crushed(rows, torch.empty(0, dtype=torch.long, device=rows.device))
     span = scores[:, lo:hi]                                                               # [heads, M]
     base = span.topk(keep - n_rep, dim=-1).indices                                        # [heads, B_imp]
     eligible = torch.ones(m, dtype=torch.bool, device=span.device)
@@ -170,6 +170,7 @@ def select(scores: torch.Tensor, stats: torch.Tensor, num_tokens: int, keep: int
     reps = representatives(bits, eligible, n_rep, ev.kvcrush)                             # [r] into M
     if reps.numel() < n_rep:                       # S <= B_rep: E all kept, heads backfill their own ranking
         base = span.masked_fill(eligible[None], float("-inf")).topk(keep - reps.numel(), dim=-1).indices
-    fixed = torch.cat([torch.arange(sinks), torch.arange(hi, num_tokens)]).expand(heads, -1)
+    fixed = torch.cat([torch.arange(sinks, device=span.device), torch.arange(hi, num_tokens, device=span.device)])
+    fixed = fixed.expand(heads, -1)
     rows = torch.cat([fixed, base + lo, (reps + lo).expand(heads, -1)], dim=1)
     return Crushed(rows.sort(dim=1).values, reps + lo)

@@ -220,9 +220,9 @@ def mergeable_share(
     if N < 2:
         return 0.0
     xn, _, _ = _normalize(x, eps)                                             # [N, D]
-    rows = torch.linspace(0, N - 1, min(sample, N)).round().long().unique()   # [S]
+    rows = torch.linspace(0, N - 1, min(sample, N), device=x.device).round().long().unique()   # [S]
     cos = xn.index_select(0, rows) @ xn.T                                     # [S, N]
-    cos[torch.arange(len(rows)), rows] = -2.0                                 # not itself
+    cos[torch.arange(len(rows), device=x.device), rows] = -2.0                # not itself
     s = len(rows)
     share = float((cos > theta).any(dim=1).float().mean())
     return min(1.0, share + 2.0 * (max(share, 1.0 / s) * (1.0 - share) / s) ** 0.5) if s < N else share
@@ -261,7 +261,8 @@ def match_or_append(
     lead = leader.nonzero().squeeze(1)                                        # [k]
     earlier = torch.ones(M, M, dtype=torch.bool, device=x.device).tril(-1)    # [M, M] l < j
     s_lead = s_new.masked_fill(~earlier, float("-inf"))[:, lead]              # [M, k]
-    ref = torch.cat([s_old, s_lead], dim=1).argmax(1) if n + lead.numel() else torch.zeros(M, dtype=torch.int64)
+    ref = torch.cat([s_old, s_lead], dim=1).argmax(1) if n + lead.numel() else \
+        torch.zeros(M, dtype=torch.int64, device=x.device)
     ref = ref.to(device=x.device)
     ref[lead] = n + torch.arange(lead.numel(), device=x.device)
     new = xn[lead]                                                            # [k, D]

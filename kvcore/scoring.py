@@ -22,8 +22,8 @@ def window_scores(q_win: torch.Tensor, k: torch.Tensor, scaling: float) -> torch
     t = k.shape[1]
     kr = repeat_kv(k.float(), h // k.shape[0])
     logits = torch.einsum("hwd,htd->hwt", q_win.float(), kr) * scaling                     # [H, W, T]
-    cols = torch.arange(t)
-    rows = torch.arange(w)[:, None] + (t - w)
+    cols = torch.arange(t, device=k.device)
+    rows = torch.arange(w, device=k.device)[:, None] + (t - w)
     logits.masked_fill_((cols[None, :] > rows)[None], float("-inf"))
     return logits.softmax(-1).sum(1)                                                          # [H, T]
 
@@ -34,13 +34,13 @@ def accumulate_attention(acc: torch.Tensor | None, q: torch.Tensor, k: torch.Ten
     the T keys k [H_kv, T, D]) to acc [H, T'] (T' <= T, grown with zeros) -> [H, T]."""
     h, tq, _ = q.shape
     t = k.shape[1]
-    out = torch.zeros(h, t) if acc is None else F.pad(acc, (0, t - acc.shape[1]))
+    out = torch.zeros(h, t, device=k.device) if acc is None else F.pad(acc, (0, t - acc.shape[1]))
     kr = repeat_kv(k.float(), h // k.shape[0])
-    cols = torch.arange(t)
+    cols = torch.arange(t, device=k.device)
     for s in range(0, tq, chunk):                                        # [H, c, T] at a time
         qc = q[:, s:s + chunk].float()
         logits = torch.einsum("hcd,htd->hct", qc, kr) * scaling
-        rows = torch.arange(qc.shape[1])[:, None] + (t - tq + s)
+        rows = torch.arange(qc.shape[1], device=k.device)[:, None] + (t - tq + s)
         logits.masked_fill_((cols[None, :] > rows)[None], float("-inf"))
         out += logits.softmax(-1).sum(1)
     return out
@@ -94,18 +94,20 @@ def ranking(scores: torch.Tensor, ev, num_kv_heads: int) -> torch.Tensor:
 
 
 def select(scores: torch.Tensor | None, num_tokens: int, keep: int, window: int, sinks: int,
-           heads: int) -> torch.Tensor:
+           heads: int, device: torch.device | None = None) -> torch.Tensor:
     """Kept token indices per stored head: the first `sinks`, the top-`keep` of the context
-    between them and the last `window` by score, and the window -> [heads, n] sorted."""
+    between them and the last `window` by score, and the window -> [heads, n] sorted, on the
+    scores' device (without scores, `device`)."""
+    device = scores.device if scores is not None else device
     window = min(window, num_tokens)
     sinks = min(sinks, num_tokens - window)
     lo, hi = sinks, num_tokens - window                              # scored context span
     keep = max(0, min(keep, hi - lo))
-    fixed = torch.cat([torch.arange(sinks), torch.arange(hi, num_tokens)])
+    fixed = torch.cat([torch.arange(sinks, device=device), torch.arange(hi, num_tokens, device=device)])
     if keep == 0:
-        top = torch.empty(heads, 0, dtype=torch.long)
+        top = torch.empty(heads, 0, dtype=torch.long, device=device)
     elif keep == hi - lo:
-        top = torch.arange(lo, hi).expand(heads, -1)
+        top = torch.arange(lo, hi, device=device).expand(heads, -1)
     else:
         top = scores[:, lo:hi].topk(keep, dim=-1).indices + lo
     rows = torch.cat([fixed.expand(heads, -1), top], dim=1)

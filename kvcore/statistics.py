@@ -119,7 +119,8 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     window = min(window, t)
     sinks = min(SINKS, t - window)
     n_ctx = t - window - sinks
-    causal = torch.arange(t)[None, :] <= torch.arange(t - wq, t)[:, None]                  # [Wq, T]
+    cols = torch.arange(t, device=k.device)
+    causal = cols[None, :] <= cols[t - wq:, None]                                            # [Wq, T]
     exact = _output(q_win, k, v, causal[None], scaling)
     mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -127,7 +128,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     order = ranked.argsort(dim=-1, descending=True) + sinks                                 # best first
     evict, retained = [], []
     for f in FRACTIONS:
-        kept = torch.zeros(hk, t, dtype=torch.bool)
+        kept = torch.zeros(hk, t, dtype=torch.bool, device=k.device)
         kept[:, :sinks] = True
         kept[:, t - window:] = True
         kept.scatter_(1, order[:, :round(f * n_ctx)], True)

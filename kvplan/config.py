@@ -70,11 +70,15 @@ class ModelConfig:
     storage_dtype: str = _env("KVPLAN_STORAGE_DTYPE", "float16", "dtype the KV cache stores")
     compute_dtype: str = _env("KVPLAN_COMPUTE_DTYPE", "float32", "dtype the model computes in")
     threads: int = _env("KVPLAN_THREADS", 0, "torch intra-op threads; 0: torch's default")
+    device: str = _env("KVPLAN_DEVICE", "cpu", "cpu | cuda | cuda:N: the model and every tensor a job creates")
 
     def __post_init__(self):
         for name, value in (("KVPLAN_STORAGE_DTYPE", self.storage_dtype), ("KVPLAN_COMPUTE_DTYPE", self.compute_dtype)):
             if value not in ("float16", "bfloat16", "float32"):
                 raise ConfigError(f"{name} must be float16, bfloat16 or float32, got {value!r}")
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+            raise ConfigError(f"KVPLAN_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.threads < 0:
             raise ConfigError(f"KVPLAN_THREADS must be >= 0, got {self.threads}")
 

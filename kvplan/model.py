@@ -94,6 +94,11 @@ class LoadedModel:
     max_context: int
 
     @property
+    def device(self):
+        """Where the model's weights are (KVPLAN_DEVICE): every tensor a job creates goes there."""
+        return self.model.get_input_embeddings().weight.device
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -118,8 +123,11 @@ def load(cfg: ModelConfig) -> LoadedModel:
         torch.set_num_threads(cfg.threads)
     path = prepare(cfg)
     dtype = getattr(torch, cfg.compute_dtype)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"KVPLAN_DEVICE={cfg.device}, but torch sees no CUDA device")
     with _LOADING:        # transformers patches global init functions while it loads: one load at a time
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+        model.to(cfg.device)
         tok = AutoTokenizer.from_pretrained(path)
     c = model.config
     heads = c.num_attention_heads

@@ -91,12 +91,12 @@ class Prober:
         check_tokens(token_ids, lm.max_context, lm.model.config.vocab_size)
         layers = _prepare(lm.model)
         stats = LayerStatistics(gqa_mode, losses, self.window, self.pool_kernel, self.sample)
-        collect = _Collector(stats, len(layers), max(min(self.window, len(token_ids)), min(ERROR_QUERIES, len(token_ids))))
-        device = lm.model.get_input_embeddings().weight.device
+        t = len(token_ids)
+        collect = _Collector(stats, len(layers), max(min(self.window, t), min(ERROR_QUERIES, t)))
         token = _rope.set({})
         try:
             with attention.using(collect):
-                lm.model.model(input_ids=torch.tensor([token_ids], device=device), use_cache=False)
+                lm.model.model(input_ids=torch.tensor([token_ids], device=lm.device), use_cache=False)
         except _Done:
             pass
         finally:

@@ -24,7 +24,8 @@ def first_rank(index: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """The smallest `rank` [U] among the rows that point at each entry some row points at
     (`index` [U]), sorted -> [n_used]: an entry no row points at is never needed."""
     used, inv = torch.unique(index, return_inverse=True)
-    return torch.empty(len(used), dtype=rank.dtype).scatter_reduce(0, inv, rank, "amin", include_self=False).sort().values
+    first = torch.empty(len(used), dtype=rank.dtype, device=rank.device)
+    return first.scatter_reduce(0, inv, rank, "amin", include_self=False).sort().values
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Candidate:
 
     def coded_parts(self, k_star: int, allowed: tuple[str, ...]) -> tuple[str, ...]:
         """The parts stored coded at k_star: allowed, codable, and smaller than dense rows."""
-        ks = torch.tensor([k_star])
+        ks = torch.tensor([k_star], device=self.min_rank.device)
         rows = self.rows(ks)
         return tuple(name for name in allowed if self.parts[name].codable
                      and int(self.parts[name].coded_bytes(rows, ks, self.row_bytes, self.itemsize)[0])

@@ -28,10 +28,10 @@ import torch
 from executor.attention import causal_attention, group_attention
 from executor.layers.candidate import Candidate, CodedPart, first_rank
 from executor.layers.evicted import EvictedLayer, Kept
-from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes, index_bytes
+from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes
 from kernels import build_codebook, mergeable_share, reconstruct
 from kernels.rope_reconstruct import unrotate_rope
-from kvcore.cost import POS_BYTES
+from kvcore.cost import POS_BYTES, index_dtype_bytes
 
 CANDIDATES = 2    # the codebook may keep at most this many times the tokens of the dense budget
 MODES = ((), ("v",), ("k",), ("k", "v"))   # which parts a layer may code: it takes the least predicted error
@@ -42,7 +42,7 @@ class CodebookLayer(EvictedLayer):
 
     def make_group(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor):
         """Every token kept: k, v [U, D] (post-RoPE keys), pos [U], weight [U]."""
-        cand = self._candidate(k, v, pos, weight, torch.zeros(len(pos), dtype=torch.long))
+        cand = self._candidate(k, v, pos, weight, torch.zeros(len(pos), dtype=torch.long, device=pos.device))
         return self._group(cand, 1, ("k", "v"))
 
     def compress_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
@@ -59,22 +59,24 @@ class CodebookLayer(EvictedLayer):
         k_max = min(span, CANDIDATES * max(keep, 1))
         heads = self.stored_heads
         hn = heads // hk
-        fixed = torch.cat([torch.arange(sinks), torch.arange(t - window, t)])
+        dev = k.device
+        fixed = torch.cat([torch.arange(sinks, device=dev), torch.arange(t - window, t, device=dev)])
         top = scores[:, sinks:t - window].topk(k_max, dim=-1).indices + sinks            # [heads, k_max], best first
         tokens = torch.cat([fixed.expand(heads, -1), top], dim=1)                        # [heads, f + k_max]
-        ranks = torch.cat([torch.full((heads, len(fixed)), -1), torch.arange(k_max).expand(heads, -1)], dim=1)
+        ranks = torch.cat([torch.full((heads, len(fixed)), -1, device=dev),
+                           torch.arange(k_max, device=dev).expand(heads, -1)], dim=1)
 
         cands = []
         for g in range(hk):
             toks, rk = tokens[g * hn:(g + 1) * hn], ranks[g * hn:(g + 1) * hn]                # [h_n, f + k_max]
             uniq, inv = torch.unique(toks.flatten(), return_inverse=True)                  # [U] sorted positions
-            min_rank = torch.empty(len(uniq), dtype=rk.dtype).scatter_reduce(
+            min_rank = torch.empty(len(uniq), dtype=rk.dtype, device=dev).scatter_reduce(
                 0, inv, rk.flatten(), "amin", include_self=False)                         # [U] every token has a rank
             weight = torch.bincount(inv, minlength=len(uniq)).float()
-            head_rank = torch.full((hn, len(uniq)), k_max).scatter_(1, inv.view(hn, -1), rk)   # [h_n, U]
+            head_rank = torch.full((hn, len(uniq)), k_max, device=dev).scatter_(1, inv.view(hn, -1), rk)  # [h_n, U]
             cands.append(dataclasses.replace(self._candidate(k[g, uniq], v[g, uniq], uniq, weight, min_rank),
                                              head_rank=head_rank))
-        ks = torch.arange(k_max + 1)
+        ks = torch.arange(k_max + 1, device=dev)
         q_win = q[:, -max(1, min(ev.window, q.shape[1])):].float()                        # [H, W, D]
         exact = causal_attention(q_win[None], k[None].float(), v[None].float(), scaling)[0].transpose(0, 1)  # [H, W, D]
 
@@ -109,7 +111,7 @@ class CodebookLayer(EvictedLayer):
             vv = c.parts["v"].rebuilt if "v" in coded else c.v.float()                     # [U, D]
             kept = c.head_rank < k_star                                                     # [h_n, U]
             kept = kept.repeat_interleave(hq // kept.shape[0], dim=0)                      # [hq, U]
-            causal = c.pos[None, :] <= torch.arange(t - w, t)[:, None]                     # [W, U]
+            causal = c.pos[None, :] <= torch.arange(t - w, t, device=c.pos.device)[:, None]  # [W, U]
             mask = kept[:, None, :] & causal[None]                                         # [hq, W, U]
             out = group_attention(q_win[g * hq:(g + 1) * hq], kk, vv, mask, scaling)        # [hq, W, D]
             err += float((out - exact[g * hq:(g + 1) * hq]).pow(2).sum())
@@ -120,7 +122,7 @@ class CodebookLayer(EvictedLayer):
         """A group's candidate tokens (k, v [U, D], pos [U], weight [U]; min_rank [U] = the
         smallest eviction rank k that keeps each), with codebooks over them where one could pay."""
         cb, elem, d = self.plan.codebook, self.storage_dtype.itemsize, k.shape[1]
-        row_index = int(index_bytes(torch.tensor(len(pos))))         # the widest index these rows could need
+        row_index = index_dtype_bytes(len(pos))                      # the widest index these rows could need
         parts = {}
         for name, x, theta, extra in (("k", unrotate_rope(k.float(), pos, *self.ctx.rope), cb.theta_k, POS_BYTES),
                                       ("v", v.float(), cb.theta_v, 0)):

@@ -59,7 +59,7 @@ class EvictedLayer(FullLayer):
         """key/value_states: [1, H_kv, T_new, D] (post-RoPE keys)."""
         if not self.compressed:
             return super().update(key_states, value_states)
-        pos = torch.arange(self.tokens_seen, self.tokens_seen + key_states.shape[-2])
+        pos = torch.arange(self.tokens_seen, self.tokens_seen + key_states.shape[-2], device=key_states.device)
         for g, group in enumerate(self.groups):
             if self.masks is not None:
                 self._grow_mask(g, group.num_tokens, len(pos))
@@ -101,8 +101,11 @@ class EvictedLayer(FullLayer):
             if self.masks is not None and tq == 1:                                     # decode: own tokens + all later
                 mask = self.masks[g][:, None, :u]
             elif self.masks is not None or tq > 1:
-                prompt = self.masks[g][:, :p] if self.masks is not None else torch.ones(hn, p, dtype=torch.bool)
-                tail = torch.arange(u - p)[None, :] <= torch.arange(tq)[:, None] + (u - p - tq)   # [Tq, t]
+                dev = q.device
+                prompt = self.masks[g][:, :p] if self.masks is not None else \
+                    torch.ones(hn, p, dtype=torch.bool, device=dev)
+                tail = (torch.arange(u - p, device=dev)[None, :]
+                        <= torch.arange(tq, device=dev)[:, None] + (u - p - tq))                  # [Tq, t]
                 mask = torch.cat([prompt[:, None, :].expand(hn, tq, p), tail[None].expand(hn, tq, u - p)], dim=-1)
             outs.append(group.attend(q[0, g * hn:(g + 1) * hn], mask, scaling))           # [h_n, Tq, D]
         return torch.cat(outs).transpose(0, 1)[None].contiguous()
@@ -135,7 +138,7 @@ class EvictedLayer(FullLayer):
             if self.head_rows is None:
                 ks.append(kg[None]), vs.append(vg[None])
                 continue
-            tail = torch.arange(self.prompt_counts[g], group.num_tokens).expand(hn, -1)
+            tail = torch.arange(self.prompt_counts[g], group.num_tokens, device=kg.device).expand(hn, -1)
             idx = torch.cat([self.head_rows[g * hn:(g + 1) * hn].long(), tail], dim=1)   # [h_n, n + t]
             ks.append(kg[idx]), vs.append(vg[idx])
         return torch.cat(ks), torch.cat(vs)
@@ -176,7 +179,8 @@ class EvictedLayer(FullLayer):
         ev = self.eviction
         if ev.kvcrush is not None and scores is not None and head_scores is not None:
             return Kept(kvcrush.select(scores, head_scores, t, keep, ev).rows, self.repeat)
-        return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, self.stored_heads), self.repeat)
+        return Kept(scoring.select(scores, t, keep, ev.window, ev.sink_tokens, self.stored_heads, self._k.device),
+                    self.repeat)
 
     def compress_now(self, q: torch.Tensor, scaling: float) -> None:
         """q: [H, W, D] the context's last queries; the dense context is this layer's own."""
@@ -200,7 +204,7 @@ class EvictedLayer(FullLayer):
             locals_.append(inverse)
             counts.append(len(uniq))
         self.groups, self.prompt_counts, self.prompt_rows = built, counts, kept.rows.shape[1]
-        self.masks = [torch.zeros(inv.shape[0], c, dtype=torch.bool).scatter_(1, inv, True)
+        self.masks = [torch.zeros(inv.shape[0], c, dtype=torch.bool, device=inv.device).scatter_(1, inv, True)
                       for inv, c in zip(locals_, counts)] if hn > 1 else None   # one head per group: all seen
         self.keys = self.values = self.acc = None
 

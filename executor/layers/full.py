@@ -111,7 +111,7 @@ class FullLayer(DynamicLayer):
         last queries for the compression the plan brings (`compress_now`)."""
         state = self.ctx.state
         keep = state.stats.keep_queries
-        k_pre = unrotate_rope(k[0].float(), torch.arange(k.shape[2]), *self.ctx.rope)
+        k_pre = unrotate_rope(k[0].float(), torch.arange(k.shape[2], device=k.device), *self.ctx.rope)
         state.stats.add(q[0, :, -keep:], k[0], k_pre, v[0], scaling)
         state.queries.append(q[0, :, -keep:].clone())
 

@@ -191,7 +191,7 @@ class CodebookGroup:
         if mask is not None:
             logits.masked_fill_(~mask, float("-inf"))
         w = torch.softmax(logits, dim=-1).mul_(self.v.mag.to(q.dtype)).view(hn * tq, -1)     # [h_n Tq, U]
-        per_entry = torch.zeros(hn * tq, self.v.c.shape[0], dtype=q.dtype).index_add_(1, self.v.ref.long(), w)
+        per_entry = q.new_zeros(hn * tq, self.v.c.shape[0]).index_add_(1, self.v.ref.long(), w)
         return (per_entry @ self.v.c.to(q.dtype)).view(hn, tq, d)
 
     def tensors(self) -> list[torch.Tensor]:

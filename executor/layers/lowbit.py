@@ -167,8 +167,10 @@ class LowBitKV:
         """[Qk] the columns of `lowbit_scores`' n·g that are stored rows (padded rows left out)."""
         n, g = self.k_codes.shape[1], self.group
         if self._columns is None or self._columns[0] != n:
-            cols = [torch.arange(a * g, (b * g if valid is None else a * g + valid)) for a, b, valid in self._key_runs(n)]
-            self._columns = (n, torch.cat(cols) if cols else torch.empty(0, dtype=torch.long))
+            dev = self.k_codes.device
+            cols = [torch.arange(a * g, (b * g if valid is None else a * g + valid), device=dev)
+                    for a, b, valid in self._key_runs(n)]
+            self._columns = (n, torch.cat(cols) if cols else torch.empty(0, dtype=torch.long, device=dev))
         return self._columns[1]
 
     def _key_runs(self, n: int) -> list[tuple[int, int, int | None]]:

@@ -53,7 +53,7 @@ def retained(d: torch.Tensor, share: float, rule: str) -> tuple[torch.Tensor, fl
     n = d.shape[0]
     if rule.endswith("_minmax"):                           # γ = share of the range [d_min, d_max]
         if n == 0:
-            return torch.zeros(0, dtype=torch.int64), math.inf if distinct else -math.inf
+            return torch.zeros(0, dtype=torch.int64, device=d.device), math.inf if distinct else -math.inf
         lo, hi = d.min().item(), d.max().item()
         tau = hi - (hi - lo) * share if distinct else lo + (hi - lo) * share
         keep = d > tau if distinct else d < tau

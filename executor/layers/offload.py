@@ -88,9 +88,10 @@ class OffloadLayer(FullLayer):
                             self.off.value_group_size)
         self.low.seal()
         h, d = k.shape[0], k.shape[2]
-        self.buf_k = torch.zeros(h, self.off.top_k, d, dtype=self.storage_dtype)    # [H_kv, k, D] prefetched rows
+        self.buf_k = k.new_zeros(h, self.off.top_k, d)                          # [H_kv, k, D] prefetched rows
         self.buf_v = torch.zeros_like(self.buf_k)
-        self.buf_idx = torch.zeros(h, self.off.top_k, dtype=torch.int16 if k.shape[1] < 1 << 15 else torch.int32)
+        self.buf_idx = torch.zeros(h, self.off.top_k, dtype=torch.int16 if k.shape[1] < 1 << 15 else torch.int32,
+                                   device=k.device)
         self.keys = self.values = None
 
     def _exact(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -99,8 +100,8 @@ class OffloadLayer(FullLayer):
         rows = self.store.read(self.plan.layer)
         if rows is None:                                                     # store gone: low-bit copy
             rows = self._lowbit(q.dtype)
-        k = torch.cat([rows[0].to(q.dtype), nk.to(q.dtype)], dim=1)          # [H_kv, N + Tq, D]
-        v = torch.cat([rows[1].to(q.dtype), nv.to(q.dtype)], dim=1)
+        k = torch.cat([rows[0].to(q.device, q.dtype), nk.to(q.dtype)], dim=1)     # [H_kv, N + Tq, D] (host rows)
+        v = torch.cat([rows[1].to(q.device, q.dtype), nv.to(q.dtype)], dim=1)
         out = causal_attention(q, k[None], v[None], scaling)
         self._commit(nk, nv)
         if nk.shape[1] > 1:
@@ -125,8 +126,8 @@ class OffloadLayer(FullLayer):
         if s:
             scores[:, :, :s] = torch.einsum("hrd,hsd->hrs", q.float(), self.sink_k.float())
         if fetched is not None:
-            exact = torch.einsum("hrd,hkd->hrk", q.float(), fetched.k.float())                # [H_kv, R, k]
-            scores.scatter_(2, fetched.idx.unsqueeze(1).expand(-1, q.shape[1], -1), exact)
+            exact = torch.einsum("hrd,hkd->hrk", q.float(), fetched.k.to(q.device).float())      # [H_kv, R, k]
+            scores.scatter_(2, fetched.idx.to(q.device).unsqueeze(1).expand(-1, q.shape[1], -1), exact)
         return torch.cat([scores, torch.einsum("hrd,htd->hrt", q.float(), new_k.float())], dim=-1)
 
     def _values(self, dtype: torch.dtype, fetched, new_v: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,8 @@ class OffloadLayer(FullLayer):
         s = self.sink_v.shape[1]
         v[:, :s] = self.sink_v
         if fetched is not None:
-            v.scatter_(1, fetched.idx.unsqueeze(-1).expand(-1, -1, v.shape[-1]), fetched.v.to(dtype))
+            idx = fetched.idx.to(v.device).unsqueeze(-1).expand(-1, -1, v.shape[-1])      # [H_kv, k, D]
+            v.scatter_(1, idx, fetched.v.to(v.device, dtype))
         return v
 
     def _speculate(self, q: torch.Tensor, scaling: float, commit: bool) -> torch.Tensor:
@@ -145,8 +147,8 @@ class OffloadLayer(FullLayer):
         fetched = self.store.take(layer, state.step, state.wait_s) if commit else None
         if fetched is not None:
             kk = fetched.idx.shape[1]
-            self.buf_k[:, :kk], self.buf_v[:, :kk] = fetched.k, fetched.v
-            self.buf_idx[:, :kk] = fetched.idx.to(self.buf_idx.dtype)
+            self.buf_k[:, :kk], self.buf_v[:, :kk] = fetched.k, fetched.v                 # copied from the host
+            self.buf_idx[:, :kk] = fetched.idx.to(self.buf_idx.device, self.buf_idx.dtype)
         hk, tq, d = nk.shape
         qg = q[0].view(hk, -1, tq, d)                                        # [H_kv, h_n, Tq, D]
         logits = self._scores(qg.reshape(hk, -1, d), fetched, nk).view(*qg.shape[:3], -1) * scaling   # [H_kv, h_n, Tq, L = N + Tq]
@@ -184,7 +186,7 @@ class OffloadLayer(FullLayer):
         rows = self.store.read(self.plan.layer)
         if rows is None:
             return float("nan"), float("nan")
-        keys = torch.cat([rows[0].to(q0.dtype), k0.to(q0.dtype)], dim=1)    # [H_kv, N + 1, D]
+        keys = torch.cat([rows[0].to(q0.device, q0.dtype), k0.to(q0.dtype)], dim=1)    # [H_kv, N + 1, D]
         probs = torch.softmax(torch.einsum("ghd,gld->ghl", q0, keys).float() * scaling, dim=-1).mean(1)
         s, kk = self.sink_k.shape[1], fetched.shape[1]
         cand = probs[:, s:self.low.quantized]                                                # [H_kv, C]

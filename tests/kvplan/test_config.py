@@ -1,7 +1,7 @@
 import pytest
 
-from kvplan.config import (ALL_CONFIGS, CachestoreConfig, ConfigError, ExecutorConfig, PlannerConfig, env_names,
-                           from_env)
+from kvplan.config import (ALL_CONFIGS, CachestoreConfig, ConfigError, ExecutorConfig, ModelConfig, PlannerConfig,
+                           env_names, from_env)
 
 
 def test_from_env_reads_typed_values_and_overrides_win():
@@ -21,6 +21,17 @@ def test_from_env_reads_typed_values_and_overrides_win():
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(ConfigError, match=needle):
         from_env(ExecutorConfig, env)
+
+
+@pytest.mark.parametrize("device, ok", [("cpu", True), ("cuda", True), ("cuda:1", True), ("gpu", False),
+                                        ("cuda:x", False), ("cpu:0", False), ("", False)])
+def test_the_device_is_cpu_or_a_cuda_device(device, ok):
+    if ok:
+        assert from_env(ModelConfig, {"KVPLAN_DEVICE": device}).device == device
+    else:
+        with pytest.raises(ConfigError, match="KVPLAN_DEVICE"):
+            from_env(ModelConfig, {"KVPLAN_DEVICE": device})
+    assert from_env(ModelConfig, {}).device == "cpu"
 
 
 def test_configs_are_frozen_and_env_names_unique_per_config():
