@@ -129,7 +129,7 @@ def burst(args, tok, cases) -> None:
                 time.sleep(1.5)
                 marks.append(stack.metrics())
                 phases[phase] = _phase(sent, marks[-2], marks[-1], budget)
-        texts[name] = {s["id"]: s["text"] for ph in phases.values() for s in ph.pop("jobs")}
+        texts[name] = {s["id"]: s["text"] for ph in phases.values() for s in ph["jobs"]}
         runs.append(dict(kind=name, **kind, phases=phases))
     for r in runs:                         # answers as full's: the same text, job by job, in each phase
         for ph in r["phases"].values():
@@ -152,8 +152,8 @@ def burst(args, tok, cases) -> None:
 def _phase(sent, before, after, budget) -> dict:
     s = summarize(sent, before, after, budget)
     ok = [x.result for x in sent if x.result is not None]
-    chosen = [r.budget_ratio if r.budget_reason else (r.reserve_ratio if r.strategy == "full" else None) for r in ok]
-    chosen = [c for c in chosen if c is not None] or [float("nan")]
+    chosen = [x.result.budget_ratio if x.result.budget_reason else x.item.ratio or 1.0 for x in sent if x.result] \
+        or [float("nan")]
     reasons = sorted({r.budget_reason for r in ok if r.budget_reason})
     return dict(requests=s["requests"], done=s["done"], correct=s["correct"], ttft=s["ttft"],
                 decode_tps=s["decode_tps"], most_decoding=s["most_decoding"], peak_kv_bytes=s["peak_kv_bytes"],

