@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from tests.test_compose import configured, load_compose
+from tests.test_docker_compose import configured, load_compose
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvplan.json"
