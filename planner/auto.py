@@ -8,10 +8,10 @@ quantization) — each with its bytes and its predicted relative error of the at
 forms are then chosen jointly: the set of one form per layer whose bytes fit the budget and
 whose summed loss is least (`planner.choice`, exact).
 
-Left out for now, with the reason: codebooks (on this model the codebook's error at θ 0.98
-exceeds what eviction loses for the same bytes in most layers — the codebook layer itself
-measures that and falls back) and MiniCache merging (adjacent layers of this model are nearly
-orthogonal: cosine −0.1..0.2 against the paper's 0.8–0.9; merging loses the answers).
+Left out for now, with the reason: codebooks (where a codebook loses more than eviction for
+the same bytes the codebook layer falls back to eviction itself, and on this model it mostly
+does) and MiniCache merging (this model's adjacent layers are far less alike than the paper's,
+so merging loses the answers). The measurements: docs/benchmarks.md, "What auto leaves out".
 
 Every plan says what it expects to keep: `predicted_retained_attention` is the mean over
 layers of the window attention mass the kept tokens hold, so a client sees a budget that is

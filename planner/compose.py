@@ -87,7 +87,7 @@ class Composed:
         offload = self._offload(inp)
         plain = [i for i, lp in enumerate(layers) if lp.kind == "full" and i not in pairs.values()] if offload.enabled else []
         met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp, self.added_row_cost(inp))
-        if offload.enabled:          # the executor fits the part to the budget; plain layers hold that
+        if offload.enabled:          # the part fitted to the budget (kvcore.offload_budget); plain layers hold that
             share = offload_budget.ratio(offload, l, 0, inp.model.head_dim)
             held = [l * share if i in plain else x for i, x in enumerate(held)]
             fitted = offload_budget.fit(offload, inp.target_ratio, l, inp.new_tokens, inp.model.head_dim)
@@ -101,7 +101,8 @@ class Composed:
         )
 
     def _offload(self, inp: PlanInput) -> OffloadPlan:
-        """The plan's offload part, fitted to the budget as the executor will (for the prediction)."""
+        """The plan's offload part, fitted to the budget after the prompt (`kvcore.offload_budget`;
+        the engine refits it to the job's length)."""
         o = self.d.offload
         if o is None:
             return OffloadPlan()
@@ -179,7 +180,7 @@ def _xkv(inp: PlanInput, r: float, sinks: int, window: int) -> Budgets:
     total = int(uniform_keep_counts(r, l, sinks + window, m).sum())
     floor = 1 if total >= m else 0
     if inp.layer_shares is not None:
-        return Budgets(spread(total, np.asarray(inp.layer_shares), floor, l_c), sinks, window)
+        return Budgets(apportion(total, np.asarray(inp.layer_shares), floor, l_c), sinks, window)
     if inp.probe is None:
         raise InvalidRequest("token_ids", f"strategy {inp.strategy} probes the prompt: send token_ids")
     stats = inp.probe()
@@ -196,7 +197,7 @@ def _xkv(inp: PlanInput, r: float, sinks: int, window: int) -> Budgets:
     return Budgets(alloc.keep, sinks, window, float(retained.mean()))
 
 
-def spread(total: int, shares: np.ndarray, floor: int, cap: int) -> np.ndarray:
+def apportion(total: int, shares: np.ndarray, floor: int, cap: int) -> np.ndarray:
     """`total` slots over layers in proportion to `shares` [m], at least `floor` and at most `cap`
     each: the floor first, the rest in proportion to each share's part above it (largest
     remainders, ties to the shallower layer), so the shares of an allocation of the same total

@@ -6,7 +6,7 @@ import pytest
 from kvplan.plan import Merge
 from planner import xkv
 from planner.allocation import uniform_keep_counts
-from planner.compose import Composed, merge_pairs, merged_share, spread
+from planner.compose import Composed, apportion, merge_pairs, merged_share
 from planner.definition import loads
 from planner.request import InvalidRequest, ModelShape, PlanInput
 from tests.planner.fakes import CountingProbe, stats
@@ -73,8 +73,8 @@ def test_xkv_budget_below_the_window_keeps_only_the_window():
     (100, [1, 0], 1, 30, [30, 1]),               # capped
     (5, [0, 0], 0, 100, [3, 2]),                 # no information: even
 ])
-def test_spread(total, shares, floor, cap, want):
-    assert spread(total, np.array(shares, float), floor, cap).tolist() == want
+def test_apportion(total, shares, floor, cap, want):
+    assert apportion(total, np.array(shares, float), floor, cap).tolist() == want
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -82,7 +82,7 @@ def test_the_shares_of_an_allocation_give_it_back(seed):
     s = stats(t=2000, seed=seed)
     for total in (30, 31, 1000, 12345):
         keep = xkv.allocate([w[:, :1968] for w in s.window_scores], total=total, floor=1).keep
-        assert spread(total, keep / keep.sum(), 1, 1968).tolist() == keep.tolist()
+        assert apportion(total, keep / keep.sum(), 1, 1968).tolist() == keep.tolist()
 
 
 def test_merge_pairs_start_in_the_middle_by_default():
