@@ -11,7 +11,7 @@ from executor.cache import PlannedCache
 from executor.engine.sequence import prefill_parts
 from executor.layers.base import Phase
 from executor.prompt import Prompt
-from tests.kvcore.test_plan_cost import _plans
+from tests.executor.engine.test_llm_engine import _plans     # a plan of every layer kind
 
 PROMPT = Prompt(list(range(500, 611)), list(range(700, 706)))
 NEW = 6

@@ -3,37 +3,18 @@ a job run step by step through the engine (context chunks, its question, then de
 more than `kvcore.plan_cost.plan_bytes` says after its context, and holds exactly that where the
 form does not depend on the data (full, mean-mode eviction, quant); each layer's own bound
 (`bytes_bound`, `kvcore.cost`) holds at every later step, and is met exactly by those forms."""
-import dataclasses
-
 import pytest
 import torch
 
 from executor.engine import KVBudget, LLMEngine, Sampling
 from executor.prompt import Prompt
 from kvcore import plan_cost
-from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant, full_plan
+from kvplan.plan import CompressionPlan
+from tests.executor.engine.test_llm_engine import _plans     # a plan of every layer kind
 
-REPEAT = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat", span_tokens=4, sink_tokens=2)
-MEAN = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="mean")
 EXACT = {"full", "snapkv-mean", "h2o", "quant"}           # bytes fixed by the plan, not by the data
 CHUNK, NEW = 32, 12
 PROMPT = Prompt(list(range(500, 611)), list(range(700, 706)))      # 111 context tokens, a 6-token question
-
-
-def _plans(m: int) -> dict[str, CompressionPlan]:
-    def each(**parts):
-        return CompressionPlan("p", "t", tuple(LayerPlan(i, **parts) for i in range(m)))
-    return {
-        "full": full_plan(m, "f"),
-        "snapkv-mean": each(eviction=MEAN),
-        "h2o": each(eviction=dataclasses.replace(MEAN, scorer="h2o")),
-        "snapkv-repeat": each(eviction=REPEAT),
-        "codebook": each(eviction=REPEAT, codebook=Codebook(0.6, 0.5)),
-        "quant": each(eviction=MEAN, quant=Quant(bits=4, group_size=16, residual=8)),
-        "merge": CompressionPlan("p", "t", (LayerPlan(0), LayerPlan(1, merge=Merge(0, 0.6, 0.1, 0.1)))),
-        "offload": dataclasses.replace(full_plan(m, "o"), offload=OffloadPlan(
-            enabled=True, low_bits=2, group_size=16, top_k=16, recent_window=8, sink_tokens=2, value_group_size=16)),
-    }
 
 
 def _steps(lm, plan: CompressionPlan, dtype: torch.dtype):

@@ -18,13 +18,17 @@ TOKENS = list(range(1000, 1070))     # 70 tokens
 
 
 def _eager_attention(lm, ids):
-    """Per layer the [H, T, T] attention weights and the pre-RoPE K, V [H_kv, T, D] of a plain forward."""
-    kv = {}
-    hooks = []
+    """Per layer the eager attention weights [H, T, T] of a plain forward, and the keys as the
+    model holds them before RoPE [H_kv, T, D] (after the per-head key norm, where the
+    architecture has one) and the values."""
+    kv, hooks = {}, []
+    heads = lambda y: y[0].view(len(ids), lm.num_kv_heads, lm.head_dim).transpose(0, 1)   # noqa: E731
     for i, layer in enumerate(lm.model.model.layers):
         a = layer.self_attn
-        hooks.append(a.k_proj.register_forward_hook(lambda m, x, y, i=i: kv.__setitem__(("k", i), y)))
-        hooks.append(a.v_proj.register_forward_hook(lambda m, x, y, i=i: kv.__setitem__(("v", i), y)))
+        norm = getattr(a, "k_norm", None)          # Qwen3: [1, T, H_kv, D] after the norm
+        k_out, k_shape = (norm, lambda y: y[0].transpose(0, 1)) if norm is not None else (a.k_proj, heads)
+        hooks.append(k_out.register_forward_hook(lambda m, x, y, i=i, s=k_shape: kv.__setitem__(("k", i), s(y))))
+        hooks.append(a.v_proj.register_forward_hook(lambda m, x, y, i=i: kv.__setitem__(("v", i), heads(y))))
     old = lm.model.config._attn_implementation
     lm.model.config._attn_implementation = "eager"
     try:
@@ -34,9 +38,7 @@ def _eager_attention(lm, ids):
         lm.model.config._attn_implementation = old
         for h in hooks:
             h.remove()
-    d, hk = lm.head_dim, lm.num_kv_heads
-    shape = lambda y: y[0].view(len(ids), hk, d).transpose(0, 1)   # noqa: E731
-    return [a[0] for a in out.attentions], [(shape(kv[("k", i)]), shape(kv[("v", i)])) for i in range(lm.num_layers)]
+    return [a[0] for a in out.attentions], [(kv[("k", i)], kv[("v", i)]) for i in range(lm.num_layers)]
 
 
 @pytest.mark.parametrize("gqa", ["repeat", "mean"])
@@ -163,36 +165,12 @@ def _random_model(arch: str):
     return LoadedModel(m, None, Path("."), arch, 3, 2, 6, 16, 512)
 
 
-def _pre_rope_keys(lm, ids):
-    """Per layer the eager attention weights [H, T, T] and the keys as the model holds them before
-    RoPE [H_kv, T, D] (after the per-head key norm, where the architecture has one), and V."""
-    kv, hooks = {}, []
-    for i, layer in enumerate(lm.model.model.layers):
-        a = layer.self_attn
-        k_out = getattr(a, "k_norm", None) or a.k_proj
-        shape = (lambda y: y[0].transpose(0, 1)) if k_out is not a.k_proj else \
-            (lambda y: y[0].view(len(ids), lm.num_kv_heads, lm.head_dim).transpose(0, 1))
-        hooks.append(k_out.register_forward_hook(lambda m, x, y, i=i, s=shape: kv.__setitem__(("k", i), s(y))))
-        hooks.append(a.v_proj.register_forward_hook(
-            lambda m, x, y, i=i: kv.__setitem__(("v", i), y[0].view(len(ids), lm.num_kv_heads, lm.head_dim).transpose(0, 1))))
-    old = lm.model.config._attn_implementation
-    lm.model.config._attn_implementation = "eager"
-    try:
-        with torch.inference_mode():
-            out = lm.model(torch.tensor([ids]), output_attentions=True, use_cache=False)
-    finally:
-        lm.model.config._attn_implementation = old
-        for h in hooks:
-            h.remove()
-    return [a[0] for a in out.attentions], [(kv[("k", i)], kv[("v", i)]) for i in range(lm.num_layers)]
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_probe_statistics_are_the_full_forwards_attention_on_other_architectures(arch):
     lm = _random_model(arch)
     ids = list(range(100, 160))
     stats = Prober(lm=lm, window=8, pool_kernel=3, sample=1000).probe(ids, "repeat")
-    attn, kv = _pre_rope_keys(lm, ids)                  # after the probe: its hooks act only while it runs
+    attn, kv = _eager_attention(lm, ids)                # after the probe: its hooks act only while it runs
     t = len(ids)
     assert stats.window_scores.shape == (3, 6, t)
     for i in range(3):
