@@ -18,39 +18,30 @@ layers of the window attention mass the kept tokens hold, so a client sees a bud
 too tight before running it."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
+from kvcore.cost import dense_row_bytes, quant_bytes
 from kvcore.statistics import POOL, QUANT_GROUP, SINKS, SPAN
 from planner.request import InvalidRequest, PlanInput
 from planner.strategy import Strategy
 
 RESIDUAL = 32          # newest tokens a quant layer keeps in the storage dtype
-STORAGE_BYTES = 2      # fp16
+# The storage dtype's itemsize (fp16). A plan request does not say the executor's storage dtype
+# (only an adaptive budget's load does), so plans price the default's.
+STORAGE_BYTES = 2
 
 
-def token_bytes(bits: int, head_dim: int) -> float:
-    """Bytes one token costs one KV head at `bits` (K and V, codes + fp16 scales/zeros)."""
-    if bits == 16:
-        return 2 * head_dim * STORAGE_BYTES
-    k = head_dim * bits / 8 + 2 * STORAGE_BYTES * head_dim / QUANT_GROUP        # per channel over g tokens
-    v = head_dim * bits / 8 + 2 * STORAGE_BYTES * head_dim / math.gcd(QUANT_GROUP, head_dim)
-    return k + v
-
-
-def layer_bytes(tokens, bits: int, head_dim: int):
+def layer_bytes(tokens, bits: int, head_dim: int, itemsize: int = STORAGE_BYTES):
     """Bytes one KV head holds for `tokens` stored tokens (a number or an array of them) at
-    `bits`: a quant layer quantizes whole groups of QUANT_GROUP while at least RESIDUAL newest
-    tokens stay in the storage dtype (`executor.layers.quant`), so its tail holds
-    RESIDUAL..RESIDUAL + QUANT_GROUP - 1 of them."""
+    `bits` (16: the storage dtype): a quant layer quantizes whole groups of QUANT_GROUP while at
+    least RESIDUAL newest tokens stay in the storage dtype (`kvcore.cost.quant_bytes`, the quant
+    layer's own rule), so its tail holds RESIDUAL..RESIDUAL + QUANT_GROUP - 1 of them."""
     if bits == 16:
-        return tokens * token_bytes(16, head_dim)
-    tail = np.where(tokens < RESIDUAL + QUANT_GROUP, tokens, RESIDUAL + (tokens - RESIDUAL) % QUANT_GROUP)
-    return tail * token_bytes(16, head_dim) + (tokens - tail) * token_bytes(bits, head_dim)
+        return tokens * dense_row_bytes(head_dim, itemsize)
+    return quant_bytes(tokens, bits, QUANT_GROUP, RESIDUAL, head_dim, itemsize)
 
 
 def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, held: np.ndarray,
@@ -62,7 +53,7 @@ def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, hel
     added, held: [S + 1] rows added / held after each step (0 first) -> [S + 1] bytes."""
     if bits != 16:
         return layer_bytes(kept + added, bits, head_dim)
-    return (kept + held) * token_bytes(16, head_dim)
+    return (kept + held) * dense_row_bytes(head_dim, STORAGE_BYTES)
 
 
 def strategy(d):
@@ -91,7 +82,7 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     # rows per head (kv_tokens N: N rows), so an option costs its bytes at its worst step less
     # what the rows added by then bring (summing each layer's worst step is an upper bound).
     added, held = step_rows(inp)                                                             # [S + 1] each
-    row = token_bytes(16, d)
+    row = dense_row_bytes(d, STORAGE_BYTES)
     rate, base = (r, r * l) if inp.reserve_ratio is not None else (0.0, float(inp.kv_tokens))
     by_step = np.stack([hk * lifetime_bytes(kept[fi], int(lo.bits[bi]), d, added, held, kept[fi] < l)
                         for fi, bi in options])                                             # [O, S + 1]
