@@ -28,7 +28,7 @@ class PlannedCache(Cache):
                  storage_dtype: torch.dtype, num_query_heads: int | None = None,
                  rope: tuple[torch.Tensor, float] | None = None, store=None):
         """store: the job's `cachestore.handle.JobHandle` when the plan offloads (its `offload`
-        part, fitted to the job by `executor.offload_budget`): its plain layers become `offload`."""
+        part, fitted to the job by `kvcore.offload_budget`): its plain layers become `offload`."""
         if len(plan.layers) != num_layers:
             raise UnsupportedPlan(f"plan {plan.plan_id} has {len(plan.layers)} layers, the model {num_layers}")
         self.state = CacheState()
