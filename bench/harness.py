@@ -122,7 +122,7 @@ class Harness:
         runner = self.runner
         store = LocalHandle() if plan.offload.enabled else None       # offload: speculative decode steps
         cache = runner.new_cache(plan, store)
-        logits = runner._prefill(prompt, cache, lambda *a: None, lambda: False)     # [V]
+        logits = runner.prefill(prompt, cache)                                     # [V]
         n = forced if isinstance(forced, int) else len(forced)
         rows, pos, guess = [], prompt.num_tokens, None
         for i in range(n):

@@ -19,13 +19,12 @@ from typing import Callable
 import torch
 
 from cachestore.handle import LocalHandle
-from executor import offload_budget
 from executor.engine.kv_budget import KVBudget, Usage
 from executor.engine.model_runner import ModelRunner
 from executor.engine.scheduler import Scheduler
 from executor.engine.sequence import Sampling, Sequence, Status, prefill_parts
 from executor.prompt import Prompt
-from kvcore import plan_cost
+from kvcore import offload_budget, plan_cost
 from kvcore.statistics import LayerStatistics
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan, full_plan
@@ -81,7 +80,7 @@ class LLMEngine:
 
     # -- sequences ------------------------------------------------------------------------------
     def fit(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling, ratio: float | None) -> CompressionPlan:
-        """An offload plan's part fitted to the job's reserve ratio (`executor.offload_budget`)."""
+        """An offload plan's part fitted to the job's reserve ratio (`kvcore.offload_budget`)."""
         if not plan.offload.enabled:
             return plan
         off = offload_budget.fit(plan.offload, ratio, prompt.num_tokens, sampling.max_new_tokens,

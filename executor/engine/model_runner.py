@@ -41,9 +41,9 @@ class ModelRunner:
         tokens = {}
         if sampled:
             seqs = [segments[i].seq for i, _ in sampled]
-            picked = logits[torch.tensor([r for _, r in sampled])]                 # [S, V] first kept row
-            temps = torch.tensor([s.sampling.temperature for s in seqs], dtype=torch.float32)
-            top_p = torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32)
+            picked = logits[torch.tensor([r for _, r in sampled], device=logits.device)]   # [S, V] first kept row
+            temps = torch.tensor([s.sampling.temperature for s in seqs], dtype=torch.float32, device=logits.device)
+            top_p = torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32, device=logits.device)
             ids = sampler.sample(picked, temps, top_p, [s.gen for s in seqs])
             tokens = {i: tok for (i, _), tok in zip(sampled, ids)}
         outs = []
@@ -63,22 +63,18 @@ class ModelRunner:
             keep += range(len(ids) - seg.keep, len(ids))
         cache = BatchCache([seg.seq.cache for seg in segments], spans, self.lm.num_layers)
         with self._phases(segments), attention.using(cache):
-            out = self.lm.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),   # [1, N]
-                                past_key_values=cache, use_cache=True,
-                                logits_to_keep=torch.tensor(keep or [len(ids) - 1]))
+            dev = self.lm.device
+            out = self.lm.model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                                past_key_values=cache, use_cache=True,                                   # [1, N]
+                                logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=dev))
         return out.logits[0, :len(keep)]
 
     @contextlib.contextmanager
     def _phases(self, segments: list[Segment]):
-        for seg in segments:
-            state = seg.seq.cache.state
-            state.phase = seg.phase
-            if seg.phase == "spec":
-                state.step = seg.seq.steps + 1
-            elif seg.phase == "predecode":
-                state.step = 0
-        try:
-            yield
-        finally:
+        """Each sequence's cache under its segment's phase for this forward (`CacheState.running`:
+        AFTER again once it ends, whatever happens); an offload decode's step number with it."""
+        with contextlib.ExitStack() as stack:
             for seg in segments:
-                seg.seq.cache.state.phase = "after"
+                step = seg.seq.steps + 1 if seg.phase == "spec" else 0 if seg.phase == "predecode" else None
+                stack.enter_context(seg.seq.cache.state.running(seg.phase, step))
+            yield

@@ -25,11 +25,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     hot = (temperature > 0).nonzero()[:, 0]
     if len(hot):
         probs = torch.softmax(logits[hot].float() / temperature[hot, None], dim=-1)  # [S, V]
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)   # ties in one order, batched or not
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p[hot, None]
         sorted_p = sorted_p * keep
         cdf = torch.cumsum(sorted_p, dim=-1)                                         # [S, V]
-        u = torch.stack([torch.rand((), generator=gens[i]) for i in hot.tolist()]) * cdf[:, -1]   # [S]
+        u = torch.stack([torch.rand((), generator=gens[i]).to(cdf.device) for i in hot.tolist()]) * cdf[:, -1]   # [S]
         pick = torch.searchsorted(cdf, u[:, None]).clamp_max(cdf.shape[1] - 1)      # [S, 1]
         out[hot] = order.gather(1, pick)[:, 0]
     return out.tolist()
