@@ -283,13 +283,23 @@ def quantize_dequantize_reference(
     """What `unpack_dequantize(*quantize_pack(x, bits, group_size), bits, group_size)` gives (min/max
     levels, no refits), without packing the codes: the same fp16 scale and zero, the same codes,
     code * scale + zero in fp32."""
+    return dequantized_at(*group_ranges(x, group_size), bits)
+
+
+def group_ranges(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, L] -> (its groups [N, G, g] fp32, their min and max [N, G]): what every bit width's
+    quantization of x starts from (`dequantized_at`)."""
     n, L = x.shape
+    xg = x.float().reshape(n, L // group_size, group_size)
+    return xg, xg.amin(dim=-1), xg.amax(dim=-1)
+
+
+def dequantized_at(xg: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
+    """`group_ranges`' groups through quantization at `bits` and back -> [N, L] fp32."""
     levels = (1 << bits) - 1
-    xg = x.float().reshape(n, L // group_size, group_size)                      # [N, G, g]
-    mn, mx = xg.amin(dim=-1), xg.amax(dim=-1)                                   # [N, G]
     s, z = ((mx - mn) / levels).to(PARAM_DTYPE).float(), mn.to(PARAM_DTYPE).float()
     q = _codes(xg, s, z, levels)                                                # [N, G, g] fp32
-    return torch.addcmul(z[..., None], q, s[..., None]).view(n, L)
+    return torch.addcmul(z[..., None], q, s[..., None]).view(xg.shape[0], -1)
 
 
 def _codes(xg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int) -> torch.Tensor:

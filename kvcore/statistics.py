@@ -70,10 +70,10 @@ def similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Generat
     hk, t, _ = x.shape
     if t < 2:
         return 0.0
-    xn = F.normalize(x.float(), dim=-1)
     rows = torch.randperm(t, generator=gen)[:min(sample, t)]                                  # [S]
     cols = torch.randperm(t, generator=gen)[:min(4 * sample, t)]                              # [C]
-    cos = torch.einsum("hsd,hcd->hsc", xn[:, rows], xn[:, cols])                              # [H_kv, S, C]
+    cos = torch.einsum("hsd,hcd->hsc", F.normalize(x[:, rows].float(), dim=-1),             # only the rows sampled
+                       F.normalize(x[:, cols].float(), dim=-1))                               # [H_kv, S, C]
     other = rows[:, None] != cols[None, :]                                                    # [S, C] not itself
     return float(((cos > theta) & other).float().sum() / (hk * other.sum()))
 
@@ -94,20 +94,25 @@ def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30))
 
 
-def _dequantized(k: torch.Tensor, v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [H_kv, T, D] -> both through KIVI quantization at `bits` (K per channel over groups
-    of QUANT_GROUP tokens, V per token over groups of gcd(QUANT_GROUP, D) channels); the last
-    T mod QUANT_GROUP tokens stay exact, as a quant layer's full-precision tail does."""
-    from kernels.quant import quantize_dequantize_reference as dequantized      # = unpack(pack(x)), unpacked
+def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
+    """k, v [H_kv, T, D] -> bits -> (k, v) both through KIVI quantization at `bits` (K per channel
+    over groups of QUANT_GROUP tokens, V per token over groups of gcd(QUANT_GROUP, D) channels);
+    the last T mod QUANT_GROUP tokens stay exact, as a quant layer's full-precision tail does. The
+    groups and their ranges are found once for every bit width."""
+    from kernels.quant import dequantized_at, group_ranges      # = unpack(pack(x)), never packed
     hk, t, d = k.shape
     q_t = t - t % QUANT_GROUP
-    kq, vq = k.clone(), v.clone()
-    if q_t:
-        rows = k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t)                                  # [H_kv D, Q]
-        kq[:, :q_t] = dequantized(rows, bits, QUANT_GROUP).view(hk, d, q_t).transpose(1, 2)
-        g = math.gcd(QUANT_GROUP, d)
-        vq[:, :q_t] = dequantized(v[:, :q_t].reshape(-1, d), bits, g).view(hk, q_t, d)
-    return kq, vq
+    g = math.gcd(QUANT_GROUP, d)
+    k_groups = group_ranges(k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t), QUANT_GROUP) if q_t else None
+    v_groups = group_ranges(v[:, :q_t].reshape(-1, d), g) if q_t else None
+
+    def at(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kq, vq = k.clone(), v.clone()
+        if q_t:
+            kq[:, :q_t] = dequantized_at(*k_groups, bits).view(hk, d, q_t).transpose(1, 2)
+            vq[:, :q_t] = dequantized_at(*v_groups, bits).view(hk, q_t, d)
+        return kq, vq
+    return at
 
 
 def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_mass: torch.Tensor,
@@ -135,8 +140,8 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
         mask = kept.repeat_interleave(h // hk, dim=0)[:, None, :] & causal[None]          # [H, Wq, T]
         evict.append(_rel(_output(q_win, k, v, mask, scaling), exact))
         retained.append(float((mass * kept).sum(-1).mean()))
-    quant = [0.0 if b == 16 else _rel(_output(q_win, *_dequantized(k, v, b), causal[None], scaling), exact)
-             for b in BITS]
+    forms = _quantized_forms(k, v)
+    quant = [0.0 if b == 16 else _rel(_output(q_win, *forms(b), causal[None], scaling), exact) for b in BITS]
     return np.array(evict), np.array(retained), np.array(quant)
 
 
