@@ -6,7 +6,8 @@ rows the step touches; the torch composition (`quant_attend_reference`) makes a 
 every code at every step, which costs several times the arithmetic.
 
     kernel      numba (LLVM), one specialization per (bits, g, g_v, D, h) compiled at first use;
-                the constants let LLVM vectorize the unpacking and the h-way FMAs (AVX-512 here)
+                the constants let LLVM vectorize the unpacking and the h-way FMAs (AVX-512 here); each
+                pass takes one code position of every byte, accumulated in that permuted order
     launcher    `QuantRows`: a group's quantized rows checked once and held as zero-copy views (the
                 kernel converts fp16 itself) until a flush; `attend_groups_cpu` runs every KV group
                 of a layer in one call, adding the queries, the few tail rows (as fp32), the masks
@@ -200,12 +201,11 @@ def _half():
     return _HALF[0]
 
 
-def _unpacked(row: str, first: str, per: int, bits: int, mask: int, indent: str) -> list[str]:
-    """Lines binding x0..x{per-1}: the codes of byte `first` of `row`, low bits first."""
-    if per == 1:
-        return [f"{indent}x0 = np.float32({row}[{first}])"]
-    return [f"{indent}b = np.int32({row}[{first}])"] + [f"{indent}x{p} = np.float32((b >> {p * bits}) & {mask})"
-                                                        for p in range(per)]
+def _code(byte: str, p: int, bits: int, mask: int) -> str:
+    """The expression of code p (low bits first) of `byte`, as fp32."""
+    if bits == 8:
+        return f"np.float32({byte})"
+    return f"np.float32((np.int32({byte}) >> {p * bits}) & {mask})"
 
 
 def _source(bits: int, g: int, gv: int, d: int, h: int) -> list[str]:
@@ -221,9 +221,12 @@ def _source(bits: int, g: int, gv: int, d: int, h: int) -> list[str]:
     L += [f"        for i in range({g}):"] + [f"            acc{i}[i] = b{i}" for i in hs]
     L += [f"        for dd in range({d}):", "            row = kc[j, dd]", "            sj = ks[j, dd]"]
     L += [f"            w{i} = q[{i}, dd] * sj" for i in hs]
-    L += [f"            for k in range({g // per}):"] + _unpacked("row", "k", per, bits, mask, " " * 16)
-    L += [f"                acc{i}[k * {per} + {p}] += w{i} * x{p}" for i in hs for p in range(per)]
-    L += [f"        for i in range({g}):"] + [f"            scores[{i}, j * {g} + i] = acc{i}[i] * scaling" for i in hs]
+    for p in range(per):      # code p of every byte: one contiguous pass, accumulated in the permuted order
+        L += [f"            for k in range({g // per}):", f"                x = {_code('row[k]', p, bits, mask)}"]
+        L += [f"                acc{i}[{p * (g // per)} + k] += w{i} * x" for i in hs]
+    L += [f"        for k in range({g // per}):"]
+    L += [f"            scores[{i}, j * {g} + k * {per} + {p}] = acc{i}[{p * (g // per)} + k] * scaling"
+          for i in hs for p in range(per)]
     # the dense tail
     L += ["    for t in range(R):"] + [f"        s{i} = np.float32(0.0)" for i in hs]
     L += [f"        for dd in range({d}):", "            x = kt[t, dd]"] + [f"            s{i} += q[{i}, dd] * x" for i in hs]
@@ -251,9 +254,14 @@ def _source(bits: int, g: int, gv: int, d: int, h: int) -> list[str]:
     L += [f"        p{i} = scores[{i}, t]" for i in hs]
     L += [f"        for c in range({nv}):", "            s = vs[t, c]", "            zz = vz[t, c]"]
     L += [f"            w{i} = p{i} * s" for i in hs] + [f"            z[{i}, c] += p{i} * zz" for i in hs]
-    L += [f"            for k in range(c * {gv // per}, (c + 1) * {gv // per}):"] + _unpacked("row", "k", per, bits, mask, " " * 16)
-    L += [f"                o{i}[k * {per} + {p}] += w{i} * x{p}" for i in hs for p in range(per)]
+    for p in range(per):      # o{i} in the permuted order too: channel k * per + p at p * D / per + k
+        L += [f"            for k in range(c * {gv // per}, (c + 1) * {gv // per}):",
+              f"                x = {_code('row[k]', p, bits, mask)}"]
+        L += [f"                o{i}[{p * (d // per)} + k] += w{i} * x" for i in hs]
     L += ["    for t in range(R):"] + [f"        p{i} = scores[{i}, Q + t]" for i in hs]
-    L += [f"        for dd in range({d}):", "            x = vt[t, dd]"] + [f"            o{i}[dd] += p{i} * x" for i in hs]
-    L += [f"    for dd in range({d}):"] + [f"        out[{i}, dd] = o{i}[dd] + z[{i}, dd // {gv}]" for i in hs]
+    L += [f"        for k in range({d // per}):"]
+    L += [f"            o{i}[{p * (d // per)} + k] += p{i} * vt[t, k * {per} + {p}]" for i in hs for p in range(per)]
+    L += [f"    for k in range({d // per}):"]
+    L += [f"        out[{i}, k * {per} + {p}] = o{i}[{p * (d // per)} + k] + z[{i}, (k * {per} + {p}) // {gv}]"
+          for i in hs for p in range(per)]
     return L
