@@ -32,8 +32,8 @@ from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
 from kernels import quant_decode
-from kvplan import auth
-from kvplan import model as models
+from kvplan.auth import Denied, acting_tenant, caller
+from kvplan.model import load as load_model
 from kvplan.config import ExecutorConfig, ModelConfig
 from kvplan.plan import full_plan
 from kvplan.serving import Service, set_health
@@ -57,7 +57,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     # -- lifecycle ------------------------------------------------------------------------
     async def warmup(self) -> None:
         await self.backend.open()
-        lm = await asyncio.to_thread(models.load, self.model_cfg)
+        lm = await asyncio.to_thread(load_model, self.model_cfg)
         self.engine = await asyncio.to_thread(self._engine, lm)
         self.cachestore = CachestoreClient(self.cfg.cachestore_addr, self.cfg.cachestore_transport)
         self.worker = Worker(self.cfg, self.backend, self.engine, self.planner, self.executor_id, self.cachestore)
@@ -164,7 +164,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is warming up (loading the model)")
         try:
-            tenant = auth.acting_tenant(req.tenant, "default")
+            tenant = acting_tenant(req.tenant, "default")
             validation.check_size(req, self.cfg.max_prompt_bytes)               # before any tokenizing
             lm = self.engine.lm
             checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
@@ -175,7 +175,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             self._check_budget(prompt, checked, req.strategy)
         except OverBudget as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except auth.Denied as e:
+        except Denied as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:                                                   # InvalidRequest among them
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -192,7 +192,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         if not ref.job_id or len(ref.job_id) > 128 or not ref.job_id.isprintable():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: must be 1 to 128 printable characters")
         raw = await self.backend.status(ref.job_id)
-        who = auth.caller()
+        who = caller()
         if raw is None or (who.role != "admin" and await self.backend.tenant(ref.job_id) != who.tenant):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {ref.job_id!r} (unknown or expired)")
         return pb.JobStatus.FromString(raw)

@@ -3,8 +3,9 @@
 the other — what both need lives in `kvcore`.
 
 An edge goes to the module an import names: `from a.b import c` is a.b.c when that is a module,
-else a.b; a package's `__init__` is a module of its own, reached only when an import names the
-package. The checker is tested on a made-up tree too, so a rule that could never fail is caught."""
+and a.b too, whose `__init__` runs first — a module of its own, reached whenever an import names
+the package or imports from it (except a top-level package from inside itself: it is always
+initialized before any of its modules). The checker is tested on a made-up tree too, so a rule that could never fail is caught."""
 from __future__ import annotations
 
 import ast
@@ -49,6 +50,8 @@ def imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
                     up = up.rpartition(".")[0]
                 base = f"{up}.{base}" if base else up
             out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else _known(base, mods) for a in node.names}
+            if not (base in PACKAGES and name.startswith(base + ".")):
+                out.add(_known(base, mods))                  # the package's __init__ runs first
     return out - {None, name}
 
 
@@ -127,12 +130,16 @@ def test_the_checker_finds_function_level_cycles_and_crossings(tmp_path):
         "executor/__init__.py": "",
         "executor/x.py": "from kvcore.cost import rows\n",
         "executor/y.py": "def h():\n    from planner.c import b\n",                     # crossing, function level
+        "executor/sub/__init__.py": "from executor.sub.m import f\n",
+        "executor/sub/m.py": "from executor.sub import k\n",                          # through the package's __init__
+        "executor/sub/k.py": "",
         "kvcore/__init__.py": "",
         "kvcore/cost.py": "import numpy\n",
     })
     g = graph(root, ("planner", "executor", "kvcore"))
     assert g["planner.c"] == {"planner.b"} and g["executor.x"] == {"kvcore.cost"} and g["kvcore.cost"] == set()
-    assert cycles(g) == [["planner.a", "planner.b"]]
+    assert cycles(g) == [["executor.sub", "executor.sub.m"], ["planner.a", "planner.b"]]
     assert crossings(g) == ["executor.y -> planner.c"]
-    (root / "planner/a.py").write_text("import kvcore\n")                             # the cycle broken
+    (root / "planner/a.py").write_text("import kvcore\n")                             # the cycles broken
+    (root / "executor/sub/m.py").write_text("from executor.sub.k import f\n")
     assert cycles(graph(root, ("planner", "executor", "kvcore"))) == []

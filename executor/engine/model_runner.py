@@ -11,7 +11,7 @@ import torch
 
 from executor import attention
 from executor.cache import PlannedCache
-from executor.engine import sampler
+from executor.engine.sampler import sample
 from executor.engine.batch_cache import BatchCache
 from executor.engine.scheduler import Output, Segment
 from kvplan.model import LoadedModel
@@ -44,7 +44,7 @@ class ModelRunner:
             picked = logits[torch.tensor([r for _, r in sampled], device=logits.device)]   # [S, V] first kept row
             temps = torch.tensor([s.sampling.temperature for s in seqs], dtype=torch.float32, device=logits.device)
             top_p = torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32, device=logits.device)
-            ids = sampler.sample(picked, temps, top_p, [s.gen for s in seqs])
+            ids = sample(picked, temps, top_p, [s.gen for s in seqs])
             tokens = {i: tok for (i, _), tok in zip(sampled, ids)}
         outs = []
         for i, (seg, (at, keep)) in enumerate(zip(segments, rows)):

@@ -17,7 +17,7 @@ from typing import Callable
 from tokenizers.decoders import DecodeStream
 
 from executor.cache import PlannedCache
-from executor.engine import sampler
+from executor.engine.sampler import generator
 from executor.prompt import Prompt
 from kvplan.plan import CompressionPlan
 
@@ -107,7 +107,7 @@ class Sequence:
 
     def __post_init__(self):
         self.detok = DecodeStream(skip_special_tokens=True)
-        self.gen = sampler.generator(self.sampling.seed) if self.sampling.temperature > 0 else None
+        self.gen = generator(self.sampling.seed) if self.sampling.temperature > 0 else None
 
     # -- what the next step feeds -------------------------------------------------------------
     @property
