@@ -60,6 +60,12 @@ def full_job_bytes(cfg: dict, context: int, new_tokens: int) -> int:
                                 context, 0, new_tokens, 2, cfg["chunk"])
 
 
+def jobs_budget(shape: dict, args, k: float) -> int:
+    """The KV budget of `--budget-jobs` k: what k full-KV jobs of the longest length reserve (with
+    room for a chat template's tokens)."""
+    return int(k * full_job_bytes(shape, max(args.lengths) + 64, args.new_tokens))
+
+
 def summarize(sent: list[load.Sent], before: dict, after: dict, budget: int) -> dict:
     ok = [s for s in sent if s.result is not None]
     d = lambda name, **kw: metric(after, name, **kw) - metric(before, name, **kw)      # noqa: E731
@@ -138,8 +144,7 @@ def main(argv=None) -> None:
     if args.scenario != "throughput":
         from bench import scenarios
         return scenarios.SCENARIOS[args.scenario](args, tok, cases)
-    budgets = [args.kv_budget_bytes] if args.kv_budget_bytes else [
-        int(k * full_job_bytes(shape, max(args.lengths) + 64, args.new_tokens)) for k in args.budget_jobs]
+    budgets = [args.kv_budget_bytes] if args.kv_budget_bytes else [jobs_budget(shape, args, k) for k in args.budget_jobs]
     arrive = load.arrivals(args.requests, args.rate)
     runs = []
     for budget in budgets:

@@ -180,7 +180,7 @@ def statistics_overhead(h: Harness, ids: list[int], repeats: int, ratio: float =
     prefill of the prompt gathering the plan's statistics in its last chunk against the same
     prefill without them (interleaved, medians), plus the planning the statistics feed (to the
     wire and back, auto's plan at `ratio`): what the planner adds to a job's prefill."""
-    from executor.engine import KVBudget, LLMEngine, Sampling, Status
+    from executor.engine import KVBudget, LLMEngine, Sampling
     from kvcore import statistics as kstats
     from kvplan.config import ExecutorConfig
     from kvplan.plan import full_plan
@@ -196,8 +196,7 @@ def statistics_overhead(h: Harness, ids: list[int], repeats: int, ratio: float =
                               statistics=kstats.LayerStatistics("repeat", True) if gather else None)
         engine.add(seq)
         t0 = time.perf_counter()
-        while seq.status is not Status.FINISHED:
-            engine.step()
+        engine.run_all()                                 # its one token ends it: no plan is applied
         return time.perf_counter() - t0, got.get("context")
 
     plain, gathered, plan_s = [], [], []

@@ -251,8 +251,7 @@ def quantize_pack_reference(
     """What the kernel computes, in plain torch (vectorized over rows and groups)."""
     n, L = x.shape
     per, levels = per_byte(bits), (1 << bits) - 1
-    xg = x.float().reshape(n, L // group_size, group_size)                      # [N, G, g]
-    mn, mx = xg.amin(dim=-1), xg.amax(dim=-1)                                   # [N, G]
+    xg, mn, mx = group_ranges(x, group_size)                                    # [N, G, g], [N, G] each
     if midpoint:                                                                # 1 bit: levels at 1/4 and 3/4
         scale, zero = ((mx - mn) / 2).to(PARAM_DTYPE), ((3 * mn + mx) / 4).to(PARAM_DTYPE)
     else:
@@ -275,27 +274,18 @@ def quantize_pack_reference(
     return codes, scale, zero
 
 
-def quantize_dequantize_reference(
-    x: torch.Tensor,        # [N, L] fp16/bf16/fp32, L a multiple of group_size
-    bits: int,
-    group_size: int,
-) -> torch.Tensor:          # [N, L] fp32
-    """What `unpack_dequantize(*quantize_pack(x, bits, group_size), bits, group_size)` gives (min/max
-    levels, no refits), without packing the codes: the same fp16 scale and zero, the same codes,
-    code * scale + zero in fp32."""
-    return dequantized_at(*group_ranges(x, group_size), bits)
-
-
 def group_ranges(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, L] -> (its groups [N, G, g] fp32, their min and max [N, G]): what every bit width's
-    quantization of x starts from (`dequantized_at`)."""
+    """x [N, L] -> (its groups [N, G, g] fp32, their min and max [N, G]): what quantization at any
+    bit width starts from (`quantize_pack_reference`, `dequantized_at`)."""
     n, L = x.shape
     xg = x.float().reshape(n, L // group_size, group_size)
     return xg, xg.amin(dim=-1), xg.amax(dim=-1)
 
 
 def dequantized_at(xg: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
-    """`group_ranges`' groups through quantization at `bits` and back -> [N, L] fp32."""
+    """`group_ranges`' groups through quantization at `bits` and back -> [N, L] fp32: what
+    `unpack_dequantize(*quantize_pack(x, bits, g), bits, g)` gives (min/max levels, no refits), without
+    packing the codes — the same fp16 scale and zero, the same codes, code * scale + zero in fp32."""
     levels = (1 << bits) - 1
     s, z = ((mx - mn) / levels).to(PARAM_DTYPE).float(), mn.to(PARAM_DTYPE).float()
     q = _codes(xg, s, z, levels)                                                # [N, G, g] fp32

@@ -98,7 +98,7 @@ def checked_request(args, text: str, embedded: bool):
     req = request(text, question=args.question, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, strategy=args.strategy,
                   reserve_ratio=args.ratio, kv_tokens=args.kv_tokens, tenant=args.tenant,
-                  adaptive=getattr(args, "budget", None) == "adaptive", floor_ratio=getattr(args, "floor", 0.0))
+                  adaptive=args.budget == "adaptive", floor_ratio=args.floor)
     try:
         validation.check(req, 1)
     except InvalidRequest as e:

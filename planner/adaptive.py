@@ -49,8 +49,8 @@ def plan(plan_at: Callable[[float], CompressionPlan], inp: PlanInput, load: Load
          min_retained: float) -> CompressionPlan:
     """plan_at(ratio): the job's strategy planned at that reserve ratio. -> the chosen plan, its
     `budget_ratio` and `budget_reason` set."""
-    floor = None                                     # (plan, ratio): the lowest acceptable so far
-    for r in RATIOS:
+    floor = None                                     # (plan, ratio): the lowest acceptable so far; 1.0 always is
+    for r in RATIOS:                                 # (floor_ratio <= 1: `kvcore.request.adaptive_of`)
         if r < floor_ratio - 1e-9:
             break
         p = plan_at(r)
@@ -59,8 +59,6 @@ def plan(plan_at: Callable[[float], CompressionPlan], inp: PlanInput, load: Load
         if load is None or kv_bytes(p, inp, load) <= load.share:
             return dataclasses.replace(p, budget_ratio=r, budget_reason="fits" if r == 1.0 else "pressure")
         floor = (p, r)
-    if floor is None:                                # the floor is above every ratio tried: hold it
-        floor = (plan_at(max(floor_ratio, RATIOS[0])), max(floor_ratio, RATIOS[0]))
     return dataclasses.replace(floor[0], budget_ratio=floor[1], budget_reason="floor")
 
 

@@ -319,10 +319,10 @@ if __name__ == "__main__":
 def test_quantize_dequantize_is_unpack_of_pack_without_the_codes(bits, dtype):
     """The plan statistics' storage-form loss quantizes without packing: bit for bit what the
     packed round trip gives (constant groups included: scale 0)."""
-    from kernels.quant import quantize_dequantize_reference
+    from kernels.quant import dequantized_at, group_ranges
     torch.manual_seed(bits)
     x = (torch.randn(24, 96) * 3).to(dtype)
     x[3] = 1.5                                                   # a constant row: scale 0, code 0
-    got = quantize_dequantize_reference(x, bits, 32)
+    got = dequantized_at(*group_ranges(x, 32), bits)
     want = quant.unpack_dequantize_reference(*quant.quantize_pack_reference(x, bits, 32), bits, 32)
     assert got.dtype == torch.float32 and torch.equal(got, want)
