@@ -72,7 +72,7 @@ class LayerStats(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens", "queue_s", "ttft_s", "kv_reserved_bytes", "predicted_kv_bytes", "budget_ratio", "budget_reason")
+    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens", "queue_s", "ttft_s", "kv_reserved_bytes", "predicted_kv_bytes", "budget_ratio", "budget_reason", "shrinks")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class JobResult(_message.Message):
     PREDICTED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_RATIO_FIELD_NUMBER: _ClassVar[int]
     BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
+    SHRINKS_FIELD_NUMBER: _ClassVar[int]
     text: str
     strategy: str
     plan_id: str
@@ -125,7 +126,24 @@ class JobResult(_message.Message):
     predicted_kv_bytes: int
     budget_ratio: float
     budget_reason: str
-    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_reserved_bytes: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ...) -> None: ...
+    shrinks: _containers.RepeatedCompositeFieldContainer[Shrink]
+    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_reserved_bytes: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ..., shrinks: _Optional[_Iterable[_Union[Shrink, _Mapping]]] = ...) -> None: ...
+
+class Shrink(_message.Message):
+    __slots__ = ("ratio", "generated_tokens", "kv_bytes_before", "kv_bytes_after", "reserved_before", "reserved_after")
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ratio: float
+    generated_tokens: int
+    kv_bytes_before: int
+    kv_bytes_after: int
+    reserved_before: int
+    reserved_after: int
+    def __init__(self, ratio: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., kv_bytes_before: _Optional[int] = ..., kv_bytes_after: _Optional[int] = ..., reserved_before: _Optional[int] = ..., reserved_after: _Optional[int] = ...) -> None: ...
 
 class OffloadStats(_message.Message):
     __slots__ = ("transport", "low_bits", "group_size", "top_k", "recent_window", "host_kv_bytes", "prefetches", "in_time", "late", "bytes_fetched", "stall_s", "error", "rerank")

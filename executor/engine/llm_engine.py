@@ -23,6 +23,7 @@ from executor.engine.kv_budget import KVBudget, Usage
 from executor.engine.model_runner import ModelRunner
 from executor.engine.scheduler import Scheduler
 from executor.engine.sequence import Sampling, Sequence, Status, prefill_parts
+from executor.engine.shrink import Shrink, dense_plan, rebuild
 from executor.prompt import Prompt
 from kvcore import offload_budget, plan_cost
 from kvcore.statistics import LayerStatistics
@@ -75,6 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm))
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self.plans: queue.SimpleQueue[tuple] = queue.SimpleQueue()   # (PLANNING sequence, its plan, its store)
+        self.shrinks: queue.SimpleQueue[tuple] = queue.SimpleQueue()  # (dense running sequence, its lower plan)
         self.usage = Usage(0, 0, budget.total)
         self.stats = StepStats()
 
@@ -163,10 +165,50 @@ class LLMEngine:
         with torch.inference_mode():
             cache.compress(dense.state.queries, self.runner.scaling)
         seq.cache, seq.plan, seq.store = cache, plan, store
+        seq.queries = dense.state.queries if dense_plan(plan) else None     # a later shrink compresses with them
         self.scheduler.planned(seq)
 
+    # -- compress instead of preempt ------------------------------------------------------------
+    @staticmethod
+    def shrinkable(seq: Sequence) -> bool:
+        """Whether a shrink could lower this running sequence's cache: its plan came from its own
+        prefill's statistics (the context's last queries kept) and every layer is still dense
+        (planned at 1.0, while memory was free)."""
+        return seq.queries is not None and dense_plan(seq.plan) and seq.status in (Status.PREFILL, Status.DECODE)
+
+    def blocked(self) -> list[Sequence]:
+        """The running sequences a shrink could make room with, when a waiting one waits for bytes."""
+        if not self.scheduler.blocked():
+            return []
+        return [seq for seq in list(self.scheduler.running) if self.shrinkable(seq)]
+
+    def shrink(self, seq: Sequence, plan: CompressionPlan) -> None:
+        """Hand a dense running sequence a lower-ratio plan of its statistics (any thread): the next
+        step rebuilds its cache under it (`executor.engine.shrink`) and lowers its reservation."""
+        self.shrinks.put((seq, plan))
+
+    def _shrink(self, seq: Sequence, plan: CompressionPlan) -> None:
+        if not self.shrinkable(seq):
+            return                                       # ended meanwhile
+        if plan.offload.enabled or dense_plan(plan):
+            log.info("job %s: not shrunk: its new plan %s (ratio %g)", seq.job_id,
+                     "offloads" if plan.offload.enabled else "is still full", plan.budget_ratio)
+            return
+        plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
+        before, reserved = seq.kv_bytes(), seq.reserved
+        cache = self.runner.new_cache(plan, None)
+        cache.state.wait_s = self.prefetch_wait_s
+        rebuild(seq.cache, cache, seq.queries, self.runner.scaling, self.lm.model.dtype)
+        seq.cache, seq.plan, seq.queries = cache, plan, None
+        self.scheduler.shrunk(seq)
+        seq.shrinks.append(Shrink(plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved,
+                                  seq.reserved))
+        log.info("job %s: shrunk to ratio %g after %d tokens to make room: KV %d -> %d bytes, reserved %d -> %d",
+                 seq.job_id, plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved, seq.reserved)
+
     def has_work(self) -> bool:
-        return not self.inbox.empty() or not self.plans.empty() or not self.scheduler.is_finished()
+        return (not self.inbox.empty() or not self.plans.empty() or not self.shrinks.empty()
+                or not self.scheduler.is_finished())
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -175,6 +217,8 @@ class LLMEngine:
             self.scheduler.add(self.inbox.get())
         while not self.plans.empty():
             self._apply_plan(*self.plans.get())
+        while not self.shrinks.empty():
+            self._shrink(*self.shrinks.get())
         t0, self.stats.last = time.perf_counter(), ("", 0.0, 0)
         segments = self.scheduler.schedule()
         outputs = self.runner.run(segments) if segments else []

@@ -9,7 +9,8 @@ prefills a chunk per step beside the decodes instead of freezing them for its wh
 postprocess(): a prefill part done advances its sequence (after the context's last chunk the
 reservation tightens to what the compressed cache can still grow to; after the prompt's last
 part its first token is sampled); a decode appends its token; stop token, max_new_tokens or a
-cancel finish a sequence and release its bytes."""
+cancel finish a sequence and release its bytes. `blocked()`: the first waiting sequence waits for
+bytes — what makes the executor shrink dense running jobs (`executor.engine.shrink`)."""
 from __future__ import annotations
 
 import logging
@@ -137,10 +138,21 @@ class Scheduler:
         if seq.status is Status.PLANNING:
             seq.status = Status.PREFILL if seq.parts else Status.DECODE
 
+    def blocked(self) -> bool:
+        """Whether the first waiting sequence waits for bytes (not for a free seat)."""
+        return bool(self.waiting) and len(self.running) < self.max_seqs and \
+            not self.budget.can_reserve(self.waiting[0].reserved)
+
+    def shrunk(self, seq: Sequence) -> None:
+        """A running sequence's cache was rebuilt under a lower plan: reserve what it can still grow to."""
+        self._tighten(seq)
+
     def _tighten(self, seq: Sequence) -> None:
-        """The context is compressed: reserve what the cache holds plus the most it can grow to
-        over the question's parts and the generated rows fed back."""
-        adds = [len(p.ids) for p in seq.parts] + [1] * max(seq.sampling.max_new_tokens - 1, 0)
+        """The context is compressed (or the cache shrunk later): reserve what the cache holds plus
+        the most it can grow to over the question's parts left and the generated rows still to be
+        fed back (every sampled token but the last; the first is sampled at the prompt's end)."""
+        fed = max(len(seq.generated), 1)
+        adds = [len(p.ids) for p in seq.parts] + [1] * max(seq.sampling.max_new_tokens - fed, 0)
         need = seq.cache.bytes_bound(adds)
         if self.budget.resize(seq.seq_id, need):
             seq.reserved = need

@@ -5,7 +5,8 @@ SpeCache's speculative guess.
 
 A sequence moves WAITING -> PREFILL (admitted: its bytes reserved; prefill parts scheduled one
 per step) -> DECODE (a row per step; an offload plan: one pre-decoding step, then two rows per
-step, the real token and the guess) -> FINISHED."""
+step, the real token and the guess) -> FINISHED. A dense running sequence may be shrunk to a
+lower-ratio plan between steps (`executor.engine.shrink`); its status does not change."""
 from __future__ import annotations
 
 import enum
@@ -104,6 +105,9 @@ class Sequence:
     t_prefilled: float | None = None
     t_finished: float | None = None
     t_tokens: list[float] = field(default_factory=list)   # when each generated token was sampled
+    queries: list | None = None                        # [m] of [H, W, D]: the context's last queries, kept while
+                                                       # its cache is dense (a shrink compresses with them)
+    shrinks: list = field(default_factory=list)        # `executor.engine.shrink.Shrink`, each time it was shrunk
 
     def __post_init__(self):
         self.detok = DecodeStream(skip_special_tokens=True)
