@@ -1,6 +1,7 @@
 """The executor's Prometheus metrics, as vLLM's engine exposes them: jobs running and waiting, the
 KV bytes held against the reservations and the budget, time to first token, time per output
-token and inter-token gaps (buckets to minutes), jobs ended by state, strategy and degradation."""
+token and inter-token gaps (buckets to minutes), jobs ended by state, strategy and degradation,
+running jobs shrunk to make room."""
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -28,6 +29,9 @@ STEP_SECONDS = Counter("kvplan_executor_step_seconds_total", "time in engine ste
 STEP_TOKENS = Counter("kvplan_executor_step_tokens_total", "tokens generated in engine steps, by kind", ["kind"])
 LONGEST_STEP = Gauge("kvplan_executor_step_seconds_max", "the longest engine step of each kind so far", ["kind"])
 MOST_RUNNING = Gauge("kvplan_executor_decoding_sequences_peak", "most sequences that decoded in one step")
+SHRINKS = Counter("kvplan_executor_shrinks_total", "running jobs' caches shrunk to a lower-ratio plan to make room "
+                  "for waiting jobs (compress instead of preempt), by the new ratio", ["ratio"])
+SHRINK_FREED = Counter("kvplan_executor_shrink_freed_bytes_total", "reserved bytes the shrinks gave back to the budget")
 PREFILL_S = Histogram("kvplan_executor_prefill_seconds", "prefill time per job", buckets=_SECONDS)
 
 
@@ -47,6 +51,9 @@ def observe_usage(engine) -> None:
         STEP_TOKENS.labels(kind).inc(tokens)
         LONGEST_STEP.labels(kind).set(engine.stats.longest[kind])
     MOST_RUNNING.set(engine.stats.most_running)
+    for s in engine.shrunk:
+        SHRINKS.labels(f"{s.ratio:g}").inc()
+        SHRINK_FREED.inc(max(s.reserved_before - s.reserved_after, 0))
 
 
 def observe_finished(run, result) -> None:

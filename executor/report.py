@@ -1,6 +1,7 @@
 """A finished job's `JobResult`: what it generated, the bytes its cache's tensors hold against the
 full fp16 cache (per layer), its timings, what an offload plan transferred, and the plan's own
-figures (its verdict on the budget, its predicted worst step)."""
+figures (its verdict on the budget, its predicted worst step); an adaptive job's ratio and reason
+as first planned, and each shrink of its running cache since."""
 from __future__ import annotations
 
 import time
@@ -30,7 +31,11 @@ def job_result(run: RunResult, seq: Sequence, outcome, executor_id: str, storage
                                  full_kv_bytes=x.full_kv_bytes, kind=x.kind) for x in run.layers],
         offload=_offload_stats(run.offload), budget_floor_tokens=plan.budget_floor_tokens,
         queue_s=run.queue_s, ttft_s=max(ttft, 0.0), kv_reserved_bytes=seq.reserved,
-        predicted_kv_bytes=plan.predicted_kv_bytes, budget_ratio=plan.budget_ratio, budget_reason=plan.budget_reason)
+        predicted_kv_bytes=plan.predicted_kv_bytes, budget_ratio=outcome.plan.budget_ratio,
+        budget_reason=outcome.plan.budget_reason,
+        shrinks=[pb.Shrink(ratio=s.ratio, generated_tokens=s.generated_tokens, kv_bytes_before=s.kv_bytes_before,
+                           kv_bytes_after=s.kv_bytes_after, reserved_before=s.reserved_before,
+                           reserved_after=s.reserved_after) for s in seq.shrinks])
     if plan.budget_met is not None:
         result.budget_met = plan.budget_met
     return result

@@ -4,6 +4,7 @@ engine, which runs every admitted job at once.
 
     claim -> RUNNING -> validate, tokenize -> Plan() (or the local fallback) -> engine.add
     engine loop: step() in a thread while there is work; a finished sequence -> result -> DONE -> ack
+    jobs wait for bytes: the dense running jobs re-planned at the load's ratio -> engine.shrink
 
 A heartbeat per job keeps its claim alive and carries cancellation in; if another executor took
 the job over (this one was presumed dead) or this one is shutting down, the job stops and
@@ -62,6 +63,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list = field(default_factory=list)
     plan_call: object = None                      # the Plan call, its job's fields bound (token_ids= or stats=)
+    stats: object = None                          # the PlanStatistics its prefill gathered, kept for a shrink's plan
+    shrink_asked: int = 0                         # jobs sharing the budget when a shrink's plan was last asked
     request: pb.GenerateRequest | None = None
     max_tokens: int = 0
 
@@ -138,6 +141,7 @@ class Worker:
                 log.exception("engine step failed; failing its jobs")
                 finished = self._fail_running()
             observe_usage(self.engine)
+            self._make_room()
             if not self.engine.stats.last[0] and not finished:
                 # nothing could run (jobs wait for a plan, or for room): wait for news, do not spin
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -257,6 +261,7 @@ class Worker:
         try:
             msg = await asyncio.to_thread(statistics.to_proto, stats)
             job.outcome = await job.plan_call(stats=msg, load=await self._load(job))
+            job.stats = msg
         except asyncio.CancelledError:
             raise
         except Exception as e:                        # refused, or the planner failed: the job fails, says why
@@ -270,6 +275,41 @@ class Worker:
         self.engine.apply_plan(job.seq, job.outcome.plan, store)
         self._work.set()
 
+    def _make_room(self) -> None:
+        """Jobs wait for bytes: ask the planner for a lower plan of each dense running job planned
+        adaptively at 1.0 above its floor (compress instead of preempt) — once per job while the
+        jobs sharing the budget stay as many; it asks again when more come."""
+        sharing = self._sharing()
+        for seq in self.engine.blocked():
+            job = self.jobs.get(seq.job_id)
+            if job is None or job.stats is None or job.shrink_asked >= sharing or not _may_shrink(job):
+                continue
+            job.shrink_asked = sharing
+            job.tasks.append(asyncio.create_task(self._shrink(job)))
+
+    async def _shrink(self, job: Job) -> None:
+        """A running dense job's plan at the ratio the load now calls for, from the statistics it
+        sent; the engine rebuilds its cache under it between steps when it is lower."""
+        try:
+            outcome = await job.plan_call(stats=job.stats, load=await self._load(job))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                        # it goes on dense; the waiting jobs wait
+            log.warning("job %s: no plan to shrink it to (%s)", job.claim.job_id, e)
+            return
+        plan, was = outcome.plan, job.outcome.plan.budget_ratio
+        if outcome.degraded or not plan.budget_reason or plan.budget_ratio >= was:
+            log.info("job %s: not shrunk: the load's ratio is %g (%s), it runs at %g", job.claim.job_id,
+                     plan.budget_ratio, plan.budget_reason or "degraded", was)
+            return
+        self.engine.shrink(job.seq, plan)
+        self._work.set()
+
+    def _sharing(self) -> int:
+        """Jobs sharing the KV budget: this executor's, or the queue's waiting and running jobs when
+        it counted more (one executor: the same)."""
+        return max(len(self.jobs), self._depth)
+
     async def _load(self, job: Job) -> planner_pb2.KVLoad:
         """The KV memory an adaptive budget plans for: the budget, what other jobs have not reserved
         (this job's own reservation counts as free), and the jobs sharing it — this executor's,
@@ -279,7 +319,7 @@ class Worker:
         budget = self.engine.budget
         own = budget.held(job.seq.seq_id) if job.seq is not None else 0
         return planner_pb2.KVLoad(budget_bytes=budget.total, free_bytes=budget.free + own,
-                                  jobs=max(len(self.jobs), self._depth), itemsize=self.engine.storage_dtype.itemsize,
+                                  jobs=self._sharing(), itemsize=self.engine.storage_dtype.itemsize,
                                   chunk=self.engine.chunk)
 
     async def _heartbeat(self, job: Job) -> None:
@@ -372,6 +412,12 @@ class Worker:
         strategy = status.result.strategy or (job.outcome.plan.strategy if job.outcome else "")
         JOBS.labels(pb.JobState.Name(state), strategy, str(status.result.degraded).lower()).inc()
         log.info("job %s: %s%s", job.claim.job_id, pb.JobState.Name(state), f" ({status.error})" if status.error else "")
+
+
+def _may_shrink(job: Job) -> bool:
+    """Planned adaptively at 1.0 because memory was free, with a floor below it."""
+    plan = job.outcome.plan if job.outcome is not None else None
+    return plan is not None and plan.budget_reason == "fits" and job.request.budget.adaptive.floor_ratio < 1.0
 
 
 def _budget_ratio(budget, prompt_tokens: int) -> float | None:

@@ -76,7 +76,10 @@ def generate(args, text: str, ccfg: ClusterConfig, mcfg: ModelConfig) -> int:
 
 def _adaptive(r) -> str:
     """An adaptive budget's choice, as the result line says it."""
-    return f"; adaptive: {r.budget_ratio:g}, {r.budget_reason}" if r.budget_reason else ""
+    if not r.budget_reason:
+        return ""
+    shrunk = "".join(f", shrunk to {s.ratio:g} after {s.generated_tokens} tokens" for s in r.shrinks)
+    return f"; adaptive: {r.budget_ratio:g}, {r.budget_reason}{shrunk}"
 
 
 def embedded_default(ccfg: ClusterConfig, mcfg: ModelConfig) -> bool:

@@ -78,6 +78,7 @@ class LLMEngine:
         self.plans: queue.SimpleQueue[tuple] = queue.SimpleQueue()   # (PLANNING sequence, its plan, its store)
         self.shrinks: queue.SimpleQueue[tuple] = queue.SimpleQueue()  # (dense running sequence, its lower plan)
         self.usage = Usage(0, 0, budget.total)
+        self.shrunk: list[Shrink] = []          # the shrinks the last step applied (metrics)
         self.stats = StepStats()
 
     # -- sequences ------------------------------------------------------------------------------
@@ -203,6 +204,7 @@ class LLMEngine:
         self.scheduler.shrunk(seq)
         seq.shrinks.append(Shrink(plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved,
                                   seq.reserved))
+        self.shrunk.append(seq.shrinks[-1])
         log.info("job %s: shrunk to ratio %g after %d tokens to make room: KV %d -> %d bytes, reserved %d -> %d",
                  seq.job_id, plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved, seq.reserved)
 
@@ -217,6 +219,7 @@ class LLMEngine:
             self.scheduler.add(self.inbox.get())
         while not self.plans.empty():
             self._apply_plan(*self.plans.get())
+        self.shrunk = []
         while not self.shrinks.empty():
             self._shrink(*self.shrinks.get())
         t0, self.stats.last = time.perf_counter(), ("", 0.0, 0)
