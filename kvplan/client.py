@@ -48,6 +48,9 @@ def result_dict(result: executor_pb2.JobResult) -> dict:
     d["per_layer"] = [{"layer": int(x.get("layer", 0)), "kept_tokens": int(x["kept_tokens"]),
                        "kv_bytes": int(x["kv_bytes"]), "full_kv_bytes": int(x["full_kv_bytes"]),
                        "kind": x["kind"]} for x in d["per_layer"]]
+    d["shrinks"] = [{"ratio": x.get("ratio", 0.0), **{k: int(x.get(k, 0)) for k in (
+        "generated_tokens", "kv_bytes_before", "kv_bytes_after", "reserved_before", "reserved_after")}}
+        for x in d.get("shrinks", [])]
     return d
 
 
