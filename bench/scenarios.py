@@ -26,7 +26,7 @@ def itl(args, tok, cases) -> None:
     """Jobs decoding, then one long prompt: their gaps while it prefills vs a chunk + a step."""
     budget = args.kv_budget_bytes or 1 << 40
     long_case = load.cases(tok, 1, [args.long])[0]
-    items = [load.Item(c, "full", None, args.new_tokens, 0.0) for c in cases]
+    items = [load.Item(c, "full", None, args.new_tokens, 0.0, ignore_eos=not args.stop_at_eos) for c in cases]
     with Stack(_env(args, budget), args.out / "logs" / "itl") as stack:
         load.run(stack.executor_addr, [load.Item(cases[0], "full", None, 2, 0.0)])
         before = stack.metrics()
@@ -67,7 +67,7 @@ def itl(args, tok, cases) -> None:
 
 def batching(args, tok, cases) -> None:
     """Full-KV jobs alone, then together: decode tokens/s (steps with no prefill) and answers."""
-    items = [load.Item(c, "full", None, args.new_tokens, 0.0) for c in cases]
+    items = [load.Item(c, "full", None, args.new_tokens, 0.0, ignore_eos=not args.stop_at_eos) for c in cases]
     with Stack(_env(args, args.kv_budget_bytes or 1 << 40), args.out / "logs" / "batching") as stack:
         load.run(stack.executor_addr, [load.Item(cases[0], "full", None, 2, 0.0)])
         m0 = stack.metrics()
