@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvplan import allocator
 from kvplan.config import ModelConfig
 
 log = logging.getLogger("kvplan.model")
@@ -121,6 +122,8 @@ def load(cfg: ModelConfig) -> LoadedModel:
     hf_logging.disable_progress_bar()     # services log; they don't draw bars
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.hold_freed_memory:
+        allocator.hold_freed_memory()
     path = prepare(cfg)
     dtype = getattr(torch, cfg.compute_dtype)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
