@@ -295,7 +295,8 @@ def dequantized_at(xg: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: i
 def _codes(xg: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int) -> torch.Tensor:
     """xg [N, G, g], s, z [N, G] fp32 -> codes [N, G, g] fp32 (scale 0: code 0)."""
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.floor((xg - z[..., None]) / safe[..., None] + 0.5).clamp_(0, levels)
+    q = xg - z[..., None]                                     # the same ops as floor((x - z) / s + 0.5), in place
+    return q.div_(safe[..., None]).add_(0.5).floor_().clamp_(0, levels)
 
 
 def unpack_dequantize_reference(

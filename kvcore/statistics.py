@@ -84,10 +84,37 @@ def angle(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.arccos(cos).mean() / math.pi)
 
 
-def _output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q [H, Wq, D], k, v [H_kv, T, D], mask [H or 1, Wq, T] bool -> [H, Wq, D]."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None], scale=scaling,
-                                          enable_gqa=True)[0]
+def _grouped_probs(q: torch.Tensor, k_t: torch.Tensor, causal: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q [H, Wq, D], k_t [H_kv, D, T] (keys transposed), causal [Wq, T] bool -> softmax(q·k) over
+    the seen keys, [H_kv, g·Wq, T]: each KV head's g query heads (heads h·g .. h·g+g-1, SDPA's GQA
+    order) in one batch row, so every kept-token subset is a mask on these probabilities, renormalised."""
+    h, wq, d = q.shape
+    hk = k_t.shape[0]
+    logits = torch.matmul(q.reshape(hk, (h // hk) * wq, d), k_t).mul_(scaling)
+    logits.masked_fill_(~causal.repeat(h // hk, 1), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _nested_outputs(p: torch.Tensor, v: torch.Tensor, base: torch.Tensor, order: torch.Tensor,
+                    counts: list[int]) -> list[torch.Tensor]:
+    """Attention over nested kept sets at once: p [H_kv, Q, T] attention probabilities, v
+    [H_kv, T, D], base [B] the tokens every set keeps, order [H_kv, n] the other tokens best
+    first, counts how many of them each set keeps -> per count [H_kv, Q, D], attention over base
+    plus the first `count` of `order` (= softmax over just those logits). The ranked tokens are
+    summed once, in the segments between successive counts, and the sets are prefix sums of the
+    segments: one pass over the context for every set instead of one each."""
+    hk, q, _ = p.shape
+    num, den = torch.bmm(p[:, :, base], v[:, base]), p[:, :, base].sum(-1, keepdim=True)    # [H_kv, Q, D], [H_kv, Q, 1]
+    p_r = p.gather(2, order[:, None, :].expand(hk, q, order.shape[1]))                        # [H_kv, Q, n]
+    v_r = v.gather(1, order[:, :, None].expand(-1, -1, v.shape[2]))                           # [H_kv, n, D]
+    at, sums = 0, {0: (num, den)}
+    for c in sorted(set(counts)):
+        if c > at:
+            num = num + torch.bmm(p_r[:, :, at:c], v_r[:, at:c])
+            den = den + p_r[:, :, at:c].sum(-1, keepdim=True)
+            at = c
+        sums[c] = (num, den)
+    return [sums[c][0] / sums[c][1].clamp_min(1e-30) for c in counts]
 
 
 def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -95,23 +122,25 @@ def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
-    """k, v [H_kv, T, D] -> bits -> (k, v) both through KIVI quantization at `bits` (K per channel
-    over groups of QUANT_GROUP tokens, V per token over groups of gcd(QUANT_GROUP, D) channels);
-    the last T mod QUANT_GROUP tokens stay exact, as a quant layer's full-precision tail does. The
-    groups and their ranges are found once for every bit width."""
+    """k, v [H_kv, T, D] -> bits -> (k_t [H_kv, D, T] keys transposed, v [H_kv, T, D]), both through
+    KIVI quantization at `bits` (K per channel over groups of QUANT_GROUP tokens, V per token over
+    groups of gcd(QUANT_GROUP, D) channels); the last T mod QUANT_GROUP tokens stay exact, as a
+    quant layer's full-precision tail does. The groups and their ranges are found once for every
+    bit width; keys stay in the channel-major layout they are grouped in (what q·kᵀ reads)."""
     from kernels.quant import dequantized_at, group_ranges      # = unpack(pack(x)), never packed
     hk, t, d = k.shape
     q_t = t - t % QUANT_GROUP
     g = math.gcd(QUANT_GROUP, d)
-    k_groups = group_ranges(k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t), QUANT_GROUP) if q_t else None
-    v_groups = group_ranges(v[:, :q_t].reshape(-1, d), g) if q_t else None
+    k_t = k.transpose(1, 2)                                                                  # [H_kv, D, T] view
+    if not q_t:
+        return lambda bits: (k_t, v)
+    k_groups = group_ranges(k_t[:, :, :q_t].reshape(hk * d, q_t), QUANT_GROUP)
+    v_groups = group_ranges(v[:, :q_t].reshape(-1, d), g)
 
     def at(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kq, vq = k.clone(), v.clone()
-        if q_t:
-            kq[:, :q_t] = dequantized_at(*k_groups, bits).view(hk, d, q_t).transpose(1, 2)
-            vq[:, :q_t] = dequantized_at(*v_groups, bits).view(hk, q_t, d)
-        return kq, vq
+        kq = dequantized_at(*k_groups, bits).view(hk, d, q_t)
+        vq = dequantized_at(*v_groups, bits).view(hk, q_t, d)
+        return torch.cat([kq, k_t[:, :, q_t:]], 2), torch.cat([vq, v[:, q_t:]], 1)
     return at
 
 
@@ -126,22 +155,26 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     n_ctx = t - window - sinks
     cols = torch.arange(t, device=k.device)
     causal = cols[None, :] <= cols[t - wq:, None]                                            # [Wq, T]
-    exact = _output(q_win, k, v, causal[None], scaling)
+    p = _grouped_probs(q_win, k.transpose(1, 2), causal, scaling)                           # [H_kv, g Wq, T]
+    exact = torch.bmm(p, v)                                                                 # [H_kv, g Wq, D]
     mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
     ranked = scoring.spread(scoring.pool(mass, POOL), SPAN)[:, sinks:t - window]            # [H_kv, n_ctx]
     order = ranked.argsort(dim=-1, descending=True) + sinks                                 # best first
-    evict, retained = [], []
-    for f in FRACTIONS:
-        kept = torch.zeros(hk, t, dtype=torch.bool, device=k.device)
-        kept[:, :sinks] = True
-        kept[:, t - window:] = True
-        kept.scatter_(1, order[:, :round(f * n_ctx)], True)
-        mask = kept.repeat_interleave(h // hk, dim=0)[:, None, :] & causal[None]          # [H, Wq, T]
-        evict.append(_rel(_output(q_win, k, v, mask, scaling), exact))
-        retained.append(float((mass * kept).sum(-1).mean()))
+    base = torch.cat([torch.arange(sinks), torch.arange(t - window, t)]).to(k.device)       # kept by every share
+    counts = [round(f * n_ctx) for f in FRACTIONS]
+    evict = [0.0 if c == n_ctx else _rel(out, exact)                                        # all kept: exact
+             for c, out in zip(counts, _nested_outputs(p, v, base, order, counts))]
+    held = torch.cat([mass[:, base].sum(-1, keepdim=True), mass.gather(1, order)], dim=1).cumsum(-1)  # [H_kv, 1 + n_ctx]
+    retained = [float(held[:, c].mean()) for c in counts]
     forms = _quantized_forms(k, v)
-    quant = [0.0 if b == 16 else _rel(_output(q_win, *forms(b), causal[None], scaling), exact) for b in BITS]
+    quant = []
+    for b in BITS:
+        if b == 16:
+            quant.append(0.0)
+            continue
+        kq, vq = forms(b)
+        quant.append(_rel(torch.bmm(_grouped_probs(q_win, kq, causal, scaling), vq), exact))
     return np.array(evict), np.array(retained), np.array(quant)
 
 

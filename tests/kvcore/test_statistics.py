@@ -1,0 +1,69 @@
+"""The storage-form losses against the attention they stand for, computed the plain way: for
+each eviction share, SDPA over exactly the tokens kept (sinks, window, the best-ranked share of
+the rest per KV head, GQA heads sharing their KV head's set); for each bit width, SDPA over K/V
+quantized and dequantized by the quant layer's own kernels; the retained mass summed over the
+kept tokens."""
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import quantize_pack, unpack_dequantize
+from kvcore import scoring
+from kvcore import statistics as S
+
+
+def _plain(q, k, v, mass_h, scaling, window):
+    """The losses by masked SDPA, one attention per share and per bit width."""
+    h, wq, d = q.shape
+    hk, t, _ = k.shape
+    sinks = min(S.SINKS, t - window)
+    n_ctx = t - window - sinks
+    cols = torch.arange(t)
+    causal = cols[None, :] <= cols[t - wq:, None]
+
+    def out(kk, vv, mask):
+        return F.scaled_dot_product_attention(q[None], kk[None], vv[None], attn_mask=mask[None], scale=scaling,
+                                              enable_gqa=True)[0]
+
+    def rel(a, b):
+        return float((a - b).pow(2).sum() / b.pow(2).sum())
+    exact = out(k, v, causal[None])
+    mass = scoring.group_mean(mass_h, hk)
+    mass = mass / mass.sum(-1, keepdim=True)
+    order = scoring.spread(scoring.pool(mass, S.POOL), S.SPAN)[:, sinks:t - window].argsort(-1, descending=True) + sinks
+    evict, retained = [], []
+    for f in S.FRACTIONS:
+        kept = torch.zeros(hk, t, dtype=torch.bool)
+        kept[:, :sinks] = kept[:, t - window:] = True
+        kept.scatter_(1, order[:, :round(f * n_ctx)], True)
+        evict.append(rel(out(k, v, kept.repeat_interleave(h // hk, 0)[:, None] & causal[None]), exact))
+        retained.append(float((mass * kept).sum(-1).mean()))
+    quant, q_t, g = [], t - t % S.QUANT_GROUP, math.gcd(S.QUANT_GROUP, d)
+    for bits in S.BITS:
+        if bits == 16:
+            quant.append(0.0)
+            continue
+        kq, vq = k.clone(), v.clone()
+        kt = k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t)
+        kq[:, :q_t] = unpack_dequantize(*quantize_pack(kt, bits, S.QUANT_GROUP), bits, S.QUANT_GROUP) \
+            .view(hk, d, q_t).transpose(1, 2)
+        vq[:, :q_t] = unpack_dequantize(*quantize_pack(v[:, :q_t].reshape(-1, d), bits, g), bits, g).view(hk, q_t, d)
+        quant.append(rel(out(kq, vq, causal[None]), exact))
+    return np.array(evict), np.array(retained), np.array(quant)
+
+
+def test_the_losses_are_the_attention_error_of_each_storage_form():
+    for t, seed in ((300, 0), (157, 1), (45, 2)):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(9, 8, 64, generator=gen)
+        k, v = torch.randn(3, t, 64, generator=gen) * 2, torch.randn(3, t, 64, generator=gen)
+        mass = scoring.window_scores(torch.randn(9, 32, 64, generator=gen), k, 0.125)
+        got = S.layer_losses(q, k, v, mass, 0.125, 32)
+        want = _plain(q, k, v, mass, 0.125, 32)
+        for g, w, name in zip(got, want, ("evict", "retained", "quant")):
+            assert g.shape == w.shape, name
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7, err_msg=f"{name} at {t} tokens")
+        assert got[0][0] == 0.0 and got[0][-1] > got[0][1] > 0          # all kept: exact; fewer kept: worse
+        assert 0 < got[2][1] < got[2][2] < got[2][3]                      # 8 < 4 < 2 bits
