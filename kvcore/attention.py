@@ -70,6 +70,11 @@ def dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return handler(module, query, key, value, scaling), None
 
 
+def routed() -> bool:
+    """Whether this forward's attention goes through a handler (`using`): each layer attends itself."""
+    return _handler.get() is not None
+
+
 def register() -> str:
     """Register "kvplan" with transformers (idempotent) -> its name, for `set_attn_implementation`."""
     AttentionInterface.register(NAME, dispatch)

@@ -14,6 +14,7 @@ from executor.cache import PlannedCache
 from executor.engine.sampler import sample
 from executor.engine.batch_cache import BatchCache
 from executor.engine.scheduler import Output, Segment
+from kernels import dense_decode
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan
 
@@ -23,6 +24,8 @@ class ModelRunner:
         self.lm, self.storage_dtype = lm, storage_dtype
         lm.model.set_attn_implementation(attention.register())     # every layer attends through its cache
         self.scaling = float(lm.model.model.layers[0].self_attn.scaling)     # softmax scale of every layer
+        if storage_dtype == torch.float16 and lm.device.type == "cpu":
+            dense_decode.build()          # the fp16 decode kernel now (a first build: ~1 min), not at a job's first token
 
     def new_cache(self, plan: CompressionPlan, store=None) -> PlannedCache:
         lm = self.lm

@@ -33,6 +33,7 @@ class Kept:
 
 class EvictedLayer(FullLayer):
     kind = "evicted"
+    fused_decode = False     # decodes through its own attention (`FullLayer._decodes_stored`)
 
     def __init__(self, plan: LayerPlan, ctx: LayerContext):
         super().__init__(plan, ctx)

@@ -7,6 +7,8 @@ from transformers.cache_utils import DynamicLayer
 
 from executor.attention import causal_attention
 from executor.layers.base import CacheState, LayerContext, Phase  # noqa: F401  (CacheState: its old home)
+from kernels import dense_decode
+from kvcore.attention import routed
 from kernels.rope_reconstruct import unrotate_rope
 from kvcore import cost
 from kvplan.plan import LayerPlan
@@ -54,6 +56,8 @@ class FullLayer(DynamicLayer):
         self.is_initialized = True
 
     seedable = True   # the prefilled context's K/V is all this layer keeps before compression
+    fused_decode = True   # a decode row attends over the stored rows as they are (`kernels.dense_decode`);
+                          # layers that attend otherwise once compressed say False
 
     def seed(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
         """Start from dense K/V already prefilled: [1, H_kv, T, D] in the storage dtype; dtype:
@@ -77,9 +81,15 @@ class FullLayer(DynamicLayer):
         self._v[..., n:n + m, :] = value_states
         self.used += m
         self.tokens_seen += m
-        if self.storage_dtype == self.dtype:
+        if self.storage_dtype == self.dtype or self._decodes_stored(m):
             return self.keys, self.values
         return self.keys.to(self.dtype), self.values.to(self.dtype)
+
+    def _decodes_stored(self, rows: int) -> bool:
+        """One decode row whose attention (`attend`, routed to this layer) reads the fp16 rows
+        itself: no float copy of the cache."""
+        return (self.fused_decode and rows == 1 and self.ctx.state.phase is Phase.AFTER and routed()
+                and dense_decode.handles(self._k))
 
     def get_seq_length(self) -> int:
         return self.tokens_seen
@@ -98,7 +108,11 @@ class FullLayer(DynamicLayer):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
                   phase: Phase) -> torch.Tensor:
-        """q: [1, H, Tq, D]; k, v: [1, H_kv, T, D] -> [1, Tq, H, D], causal over what it holds."""
+        """q: [1, H, Tq, D]; k, v: [1, H_kv, T, D] -> [1, Tq, H, D], causal over what it holds (a
+        decode row over the storage dtype, as `update` hands it: the fused kernel)."""
+        if k.dtype != q.dtype:
+            _, h, tq, d = q.shape
+            return dense_decode.dense_decode(q[0, :, 0].reshape(k.shape[1], -1, d), k[0], v[0], scaling).view(1, 1, h, d)
         return causal_attention(q, k, v, scaling)
 
     def end_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from executor.attention import group_attention
-from kernels import build_codebook, match_or_append, reconstruct
+from kernels import build_codebook, dense_decode, match_or_append, reconstruct
 from kvcore import cost
 from kernels.rope_reconstruct import unrotate_rope
 
@@ -79,7 +79,9 @@ class DenseGroup:
 
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
-        -> [h_n, Tq, D]."""
+        -> [h_n, Tq, D]. An unmasked decode row reads the stored rows in the fused kernel."""
+        if mask is None and q.shape[1] == 1 and dense_decode.handles(self._k):
+            return dense_decode.dense_decode(q.transpose(0, 1), self.k[None], self.v[None], scaling).transpose(0, 1)
         k, v = self.materialize(q.dtype)
         return group_attention(q, k, v, mask, scaling)
 

@@ -140,6 +140,7 @@ def _heads(r: torch.Tensor, h: int) -> torch.Tensor:
 
 class MergeLayer(FullLayer):
     kind = "merge"
+    fused_decode = False     # decodes through its own attention (`FullLayer._decodes_stored`)
     retention_rule = "distinct"        # flag: one of RETENTION_RULES
 
     def __init__(self, plan: LayerPlan, ctx: LayerContext):

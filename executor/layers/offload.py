@@ -34,6 +34,7 @@ from kvplan.plan import LayerPlan
 
 class OffloadLayer(FullLayer):
     kind = "offload"
+    fused_decode = False     # decodes through its own attention (`FullLayer._decodes_stored`)
 
     def __init__(self, plan: LayerPlan, ctx: LayerContext):
         super().__init__(plan, ctx)

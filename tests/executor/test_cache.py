@@ -52,3 +52,38 @@ def test_plans_the_executor_cannot_run_are_rejected(tiny_model):
     odd = CompressionPlan("t", "s", (LayerPlan(0), LayerPlan(1, eviction=Eviction(keep_tokens=3), quant=Quant(bits=3))))
     with pytest.raises(UnsupportedPlan, match="quant"):
         PlannedCache(odd, 2, 2, 16, torch.float16)
+
+
+@torch.inference_mode()
+def test_full_layers_decode_through_the_fused_kernel_as_through_a_float_copy(tiny_model):
+    """A decode row routed to a full layer reads its fp16 rows in the kernel (`kernels.dense_decode`);
+    the logits match the same cache converting its rows to fp32 for SDPA, step after step."""
+    from executor import attention
+    from kernels import dense_decode
+
+    if not dense_decode.handles(torch.empty(1, dtype=torch.float16)):
+        pytest.skip("the kernel could not be built here: both paths are the reference")
+    model = tiny_model.model
+    model.set_attn_implementation(attention.register())
+    ids = torch.randint(0, 1000, (1, 300), generator=torch.Generator().manual_seed(3))
+
+    def decode(enabled: bool) -> tuple[torch.Tensor, list]:
+        dense_decode.ENABLED = enabled
+        try:
+            cache, logits, token = _cache(tiny_model), [], None
+            with attention.using(cache):
+                with cache.state.running("context"):
+                    out = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+                for _ in range(6):
+                    token = out.argmax(-1, keepdim=True)
+                    kinds = {layer._decodes_stored(1) for layer in cache.layers}
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+                    logits.append(out)
+            return torch.cat(logits), kinds
+        finally:
+            dense_decode.ENABLED = True
+
+    (fused, used), (copied, unused) = decode(True), decode(False)
+    assert used == {True} and unused == {False}          # the kernel ran on every layer, then on none
+    torch.testing.assert_close(fused, copied, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fused.argmax(-1), copied.argmax(-1))

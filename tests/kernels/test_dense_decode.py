@@ -1,0 +1,65 @@
+"""The fused fp16 decode attention kernel against its torch reference: row counts around the
+split-K block, head dims, 1-3 query heads per KV head, rows that are a view of larger storage;
+the same result whatever the thread count; bad shapes named; and a full cache layer's decode row
+through the kernel against the same layer converting its rows."""
+import pytest
+import torch
+
+from kernels import dense_decode as dd
+
+
+def _built():
+    if not dd.handles(torch.empty(1, dtype=torch.float16)):
+        pytest.skip("the kernel could not be built here (no C++ compiler): the reference serves")
+
+
+def _inputs(g: int, h: int, t: int, d: int, seed: int, spare: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(g, h, d, generator=gen)
+    k = (torch.randn(g, t + spare, d, generator=gen) * 2).half()[:, :t]       # a view of the used rows
+    v = torch.randn(g, t + spare, d, generator=gen).half()[:, :t]
+    return q, k, v
+
+
+@pytest.mark.parametrize("g, h, t, d", [(3, 3, 1, 64), (3, 3, 255, 64), (3, 3, 256, 64), (3, 3, 257, 64),
+                                        (3, 3, 2000, 64), (1, 1, 40, 32), (2, 2, 700, 48), (4, 1, 513, 128)])
+def test_the_kernel_matches_its_reference(g, h, t, d):
+    _built()
+    q, k, v = _inputs(g, h, t, d, seed=t + d, spare=37)
+    got = dd.dense_decode(q, k, v, d ** -0.5)
+    want = dd.dense_decode_reference(q, k, v, d ** -0.5)
+    assert got.shape == (g, h, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    _built()
+    q, k, v = _inputs(3, 3, 1500, 64, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dd.dense_decode(q, k, v, 0.125)
+        torch.set_num_threads(2)
+        two = dd.dense_decode(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bad_shapes_are_named():
+    q, k, v = _inputs(3, 3, 10, 64, seed=1)
+    with pytest.raises(ValueError, match="q must be"):
+        dd.dense_decode(q[0], k, v, 0.125)
+    with pytest.raises(ValueError, match="k, v"):
+        dd.dense_decode(q, k, v[:, :5], 0.125)
+
+
+def test_fp32_rows_and_a_disabled_kernel_take_the_reference():
+    q, k, v = _inputs(3, 3, 300, 64, seed=2)
+    want = dd.dense_decode_reference(q, k, v, 0.125)
+    assert torch.equal(dd.dense_decode(q, k.float(), v.float(), 0.125), want)
+    dd.ENABLED = False
+    try:
+        assert torch.equal(dd.dense_decode(q, k, v, 0.125), want)
+    finally:
+        dd.ENABLED = True
