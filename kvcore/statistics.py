@@ -117,6 +117,12 @@ def _nested_outputs(p: torch.Tensor, v: torch.Tensor, base: torch.Tensor, order:
     return [sums[c][0] / sums[c][1].clamp_min(1e-30) for c in counts]
 
 
+def _grouped_output(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, causal: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """q [H, Wq, D] over k_t [H_kv, D, T], v [H_kv, T, D] -> [H_kv, g·Wq, D], grouped as `_grouped_probs`."""
+    return torch.bmm(_grouped_probs(q, k_t, causal, scaling), v)
+
+
 def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
     return float((out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30))
 
@@ -148,7 +154,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
                  scaling: float, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One layer: q_win [H, Wq, D] the last queries, k [H_kv, T, D] post-RoPE, v [H_kv, T, D],
     window_mass [H, T] the window's attention -> (evict [F], retained [F], quant [B])."""
-    h, wq, _ = q_win.shape
+    wq = q_win.shape[1]
     hk, t, _ = k.shape
     window = min(window, t)
     sinks = min(SINKS, t - window)
@@ -168,13 +174,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     held = torch.cat([mass[:, base].sum(-1, keepdim=True), mass.gather(1, order)], dim=1).cumsum(-1)  # [H_kv, 1 + n_ctx]
     retained = [float(held[:, c].mean()) for c in counts]
     forms = _quantized_forms(k, v)
-    quant = []
-    for b in BITS:
-        if b == 16:
-            quant.append(0.0)
-            continue
-        kq, vq = forms(b)
-        quant.append(_rel(torch.bmm(_grouped_probs(q_win, kq, causal, scaling), vq), exact))
+    quant = [0.0 if b == 16 else _rel(_grouped_output(q_win, *forms(b), causal, scaling), exact) for b in BITS]
     return np.array(evict), np.array(retained), np.array(quant)
 
 

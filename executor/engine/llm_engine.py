@@ -160,11 +160,8 @@ class LLMEngine:
         if plan.offload.enabled and store is None:
             store, seq.own_store = LocalHandle(), True
         cache = self.runner.new_cache(plan, store)
-        cache.state.context_tokens, cache.state.wait_s = dense.state.context_tokens, self.prefetch_wait_s
-        for layer, old in zip(cache.layers, dense.layers):
-            layer.seed(old.keys, old.values, self.lm.model.dtype)
-        with torch.inference_mode():
-            cache.compress(dense.state.queries, self.runner.scaling)
+        cache.state.wait_s = self.prefetch_wait_s
+        rebuild(dense, cache, dense.state.queries, self.runner.scaling, self.lm.model.dtype)   # the context only: nothing to append
         seq.cache, seq.plan, seq.store = cache, plan, store
         seq.queries = dense.state.queries if dense_plan(plan) else None     # a later shrink compresses with them
         self.scheduler.planned(seq)

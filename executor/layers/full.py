@@ -111,7 +111,7 @@ class FullLayer(DynamicLayer):
         """q: [1, H, Tq, D]; k, v: [1, H_kv, T, D] -> [1, Tq, H, D], causal over what it holds (a
         decode row over the storage dtype, as `update` hands it: the fused kernel)."""
         if k.dtype != q.dtype:
-            _, h, tq, d = q.shape
+            h, d = q.shape[1], q.shape[3]
             return dense_decode.dense_decode(q[0, :, 0].reshape(k.shape[1], -1, d), k[0], v[0], scaling).view(1, 1, h, d)
         return causal_attention(q, k, v, scaling)
 
