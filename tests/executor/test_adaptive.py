@@ -6,34 +6,23 @@ import concurrent.futures as cf
 
 import pytest
 
-from executor import prompt as prompts
-from kvcore import plan_cost
 from kvplan.client import ExecutorClient, request
 from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
-from kvplan.embedded import Embedded
-from kvplan.plan import full_plan
 from protos import executor_pb2 as pb
+from tests.executor.stack import demo_full_bytes, embedded_with
 
 NEW = 8
 
 
 @pytest.fixture(scope="module")
 def full_bytes(real_model) -> int:
-    lm = real_model
-    p = prompts.build(lm.tokenizer, [{"role": "user", "content": DEMO_CONTEXT}], DEMO_QUESTION)
-    return plan_cost.plan_bytes(full_plan(lm.num_layers, "f"), lm.num_kv_heads, lm.num_query_heads, lm.head_dim,
-                                len(p.context_ids), len(p.question_ids), NEW, 2, 512)
+    return demo_full_bytes(real_model, NEW)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_cfg, real_model_dir, full_bytes):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVPLAN_KV_BUDGET_BYTES", str(int(2.2 * full_bytes)))
-    try:
-        with Embedded(model_cfg) as e:
-            yield e
-    finally:
-        mp.undo()
+    with embedded_with(model_cfg, {"KVPLAN_KV_BUDGET_BYTES": str(int(2.2 * full_bytes))}) as e:
+        yield e
 
 
 def _job(floor: float = 0.0) -> pb.GenerateRequest:

@@ -8,23 +8,18 @@ import grpc
 import pytest
 
 from kvplan.client import ExecutorClient, request
-from kvplan.embedded import Embedded
 from kvplan.serving import check_health
 from protos import executor_pb2 as pb
+from tests.executor.stack import embedded_with
 
 MAX_QUEUED, PER_TENANT = 6, 4
 
 
 @pytest.fixture(scope="module")
 def cluster(model_cfg, real_model_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVPLAN_MAX_QUEUED", str(MAX_QUEUED))
-    mp.setenv("KVPLAN_MAX_QUEUED_PER_TENANT", str(PER_TENANT))
-    try:
-        with Embedded(model_cfg) as e:
-            yield e
-    finally:
-        mp.undo()
+    with embedded_with(model_cfg, {"KVPLAN_MAX_QUEUED": str(MAX_QUEUED),
+                                   "KVPLAN_MAX_QUEUED_PER_TENANT": str(PER_TENANT)}) as e:
+        yield e
 
 
 @pytest.fixture

@@ -10,12 +10,9 @@ import time
 
 import pytest
 
-from executor import prompt as prompts
-from kvcore import plan_cost
 from kvplan.client import ExecutorClient, request
 from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
-from kvplan.embedded import Embedded
-from kvplan.plan import full_plan
+from tests.executor.stack import demo_full_bytes, embedded_with
 
 LONG, SHORT = 48, 4         # the running job's tokens, the arriving job's
 SEEN = 4                    # the second job is sent once the first generated this many
@@ -23,21 +20,13 @@ SEEN = 4                    # the second job is sent once the first generated th
 
 @pytest.fixture(scope="module")
 def full_bytes(real_model) -> int:
-    lm = real_model
-    p = prompts.build(lm.tokenizer, [{"role": "user", "content": DEMO_CONTEXT}], DEMO_QUESTION)
-    return plan_cost.plan_bytes(full_plan(lm.num_layers, "f"), lm.num_kv_heads, lm.num_query_heads, lm.head_dim,
-                                len(p.context_ids), len(p.question_ids), LONG, 2, 512)
+    return demo_full_bytes(real_model, LONG)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_cfg, real_model_dir, full_bytes):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVPLAN_KV_BUDGET_BYTES", str(int(1.8 * full_bytes)))     # one full job, not a second beside it
-    try:
-        with Embedded(model_cfg) as e:
-            yield e
-    finally:
-        mp.undo()
+    with embedded_with(model_cfg, {"KVPLAN_KV_BUDGET_BYTES": str(int(1.8 * full_bytes))}) as e:     # one full job, not a second beside it
+        yield e
 
 
 def _job(new: int, floor: float = 0.0):
