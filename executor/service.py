@@ -31,7 +31,6 @@ from executor.prompt import Prompt
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
-from kernels import quant_decode
 from kvplan.auth import Denied, acting_tenant, caller
 from kvplan.model import load as load_model
 from kvplan.config import ExecutorConfig, ModelConfig
@@ -86,7 +85,6 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         budget = KVBudget(cfg.kv_budget_bytes or default_budget(cfg.kv_budget_share))
         engine = LLMEngine(lm, dtype, budget, cfg.max_batched_tokens, cfg.max_seqs, cfg.prefill_chunk,
                            cfg.prefetch_wait_s)
-        quant_decode.warm(lm.head_dim, lm.num_query_heads // lm.num_kv_heads)     # compile before the first job
         full_4k = engine.reservation(full_plan(lm.num_layers, "sizing"), Prompt(list(range(4096)), []), Sampling(1))
         log.info("KV budget %.2f GiB%s: %d full-KV 4k-token jobs at once (at most %d jobs)", budget.total / 2**30,
                  "" if cfg.kv_budget_bytes else f" ({cfg.kv_budget_share:.0%} of the memory available)",

@@ -2,7 +2,7 @@
 
 Dispatched ops: gather_rows, build_codebook, reconstruct, ragged_decode_attention, slerp_merge,
 slerp_restore, quantize_pack, unpack_dequantize, lowbit_scores, hamming_distance; quant_attend
-(a fused CPU kernel in numba on the CPU, the reference elsewhere).
+(a fused C++ kernel on the CPU, the reference elsewhere).
 Torch helpers (small or sequential, no kernel): match_or_append, mergeable_share, apply_rope, unrotate_rope, pack_bits.
 """
 from kernels.codebook import match_or_append, mergeable_share

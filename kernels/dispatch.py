@@ -195,6 +195,8 @@ def quantize_pack(
         raise ValueError(f"x's last dim L = {x.shape[1]} must be a multiple of group_size {group_size}")
     if use_triton(x):
         return quant.quantize_pack_triton(_unit(x), bits, group_size, midpoint=midpoint, refine=refine)
+    if not midpoint and not refine and quant.quantize_pack_cpu_handles(x):
+        return quant.quantize_pack_cpu(x, bits, group_size)
     return quant.quantize_pack_reference(x, bits, group_size, midpoint, refine)
 
 
@@ -259,11 +261,11 @@ def quant_attend(
     q: torch.Tensor,        # [G, h, D] one query row per head of each group
     k_tails: list,          # [G] of [R_i, D]: each group's newest rows, dense
     v_tails: list,          # [G] of [R_i, D]
-    masks: list | None,     # [G] of [h, Q_i + R_i] bool (True = seen), or None
+    masks: list | None,     # [G] of [h, Q_i + R_i] bool (True = seen) or None (all seen), or None
     scaling: float,
 ) -> torch.Tensor:          # [G, h, D] fp32
     """Softmax attention of each group's h query rows over its KIVI-quantized rows
-    (`kernels.quant_decode`): the fused kernel on the CPU (numba), else the torch reference.
+    (`kernels.quant_decode`): the fused kernel on the CPU (C++), else the torch reference.
     Raises ValueError naming a bad argument."""
     if q.dim() != 3 or q.shape[0] != len(rows) or len(k_tails) != len(rows) or len(v_tails) != len(rows) \
             or (masks is not None and len(masks) != len(rows)) or not rows:
@@ -273,7 +275,7 @@ def quant_attend(
         raise ValueError("the groups must share bits, group sizes and head dim")
     for i, r in enumerate(rows):
         r.check(q[i], k_tails[i], v_tails[i], None if masks is None else masks[i])
-    if qattend.HAS_NUMBA and all(r.on_cpu for r in rows) and not q.is_cuda:
+    if not q.is_cuda and qattend.handles(rows, [*k_tails, *v_tails]):
         return qattend.attend_groups_cpu(rows, q, k_tails, v_tails, masks, scaling)
     return torch.stack([r.attend_reference(q[i], k_tails[i], v_tails[i], None if masks is None else masks[i], scaling)
                         for i, r in enumerate(rows)])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_extension
 from kernels._triton import HAS_TRITON, pow2_at_least, require_triton, tl, triton
 
 BITS = (1, 2, 4, 8)
@@ -272,6 +273,25 @@ def quantize_pack_reference(
     shifts = torch.arange(per, dtype=torch.int32, device=x.device) * bits        # [P]
     codes = (q.reshape(n, L // per, per) << shifts).sum(dim=-1).to(torch.uint8)  # [N, L / P]
     return codes, scale, zero
+
+
+def quantize_pack_cpu_handles(x: torch.Tensor) -> bool:
+    """Whether `quantize_pack_cpu` takes x: fp32 or fp16 on the CPU (any strides), the C++ built."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16) and cpu_extension.module() is not None
+
+
+def quantize_pack_cpu(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C++ loop of `kernels/cpu_decode.cpp` (min/max levels, no refits): bit for bit
+    `quantize_pack_reference(x, bits, group_size)`, without a torch op per step of it — a quant
+    layer's tail flushes a group of rows every g decode steps."""
+    return tuple(cpu_extension.module().quantize_pack(x, bits, group_size))
+
+
+def dequantized_forms(x: torch.Tensor, bits: list[int], group_size: int, quantized: int, rows: int) -> list[torch.Tensor]:
+    """x [R, L] fp32 (any strides) -> per bit width [R, L] fp32: the first `quantized` elements of
+    the first `rows` rows through quantization at that width and back (`dequantized_at`, within
+    fp32 rounding), the rest exact — every width from one pass over x (C++; `quantize_pack_cpu_handles`)."""
+    return list(cpu_extension.module().dequantized_forms(x, list(bits), group_size, quantized, rows))
 
 
 def group_ranges(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

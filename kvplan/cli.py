@@ -7,7 +7,7 @@
     kvplan strategies define FILE [--activate] register a strategy definition (JSON/YAML); --activate: switch to it
     kvplan plan --strategy S --ratio R        plan a job in this process and print the per-layer plan
     kvplan serve planner|executor|cachestore|http   run one service in the foreground
-    kvplan prepare-model                      convert the model once into the cache dir (and build the CPU kernel)
+    kvplan prepare-model                      convert the model once into the cache dir (and build the CPU kernels)
     kvplan keys add --tenant T --role R       make an API key (printed once; its hash joins the keys file)
 
 Exit codes: 0 ok, 1 the job or a service failed, 2 bad input (checked before any service
@@ -155,10 +155,10 @@ def _dispatch(args) -> int:
             print(f"{name:<11} {health:<12} {addr:<28} pid {pid}")
         return 0 if all(h in ("SERVING", "UP") for *_, h in rows) else 1
     if args.cmd == "prepare-model":
-        from kernels import dense_decode
+        from kernels import cpu_extension
         from kvplan import model
         print(model.prepare(mcfg))
-        print(f"dense decode kernel: {'built' if dense_decode.build() else 'not built (the torch reference serves)'}")
+        print(f"CPU decode kernels: {'built' if cpu_extension.build() else 'not built (the torch references serve)'}")
         return 0
     if args.cmd == "strategies":
         return _strategies(args)

@@ -63,3 +63,26 @@ def test_fp32_rows_and_a_disabled_kernel_take_the_reference():
         assert torch.equal(dd.dense_decode(q, k, v, 0.125), want)
     finally:
         dd.ENABLED = True
+
+
+def test_groups_of_different_lengths_with_masks_match_the_reference_and_their_own_calls():
+    """Many groups in one call (a layer of every sequence in a step): each group's rows and mask
+    its own, each result the reference's and bit for bit what a call of that group alone gives."""
+    _built()
+    gen = torch.Generator().manual_seed(11)
+    lengths = [1, 255, 256, 700, 3000, 40]
+    q = torch.randn(len(lengths), 3, 64, generator=gen)
+    ks = [(torch.randn(t + 5, 64, generator=gen) * 2).half()[:t] for t in lengths]     # views of larger storage
+    vs = [torch.randn(t, 64, generator=gen).half() for t in lengths]
+    masks = [torch.rand(3, t, generator=gen) > 0.4 for t in lengths]
+    for m in masks:
+        m[:, 0] = True                                                     # every head sees a row
+    masks[2] = None                                                        # a group that sees every row
+    got = dd.dense_decode_groups(q, ks, vs, masks, 0.125)
+    for i, (k, v, m) in enumerate(zip(ks, vs, masks)):
+        want = dd.dense_decode_reference(q[i:i + 1], k[None], v[None], 0.125, None if m is None else m[None])[0]
+        torch.testing.assert_close(got[i], want, atol=2e-5, rtol=1e-4)
+        alone = dd.dense_decode_groups(q[i:i + 1], [k], [v], None if m is None else [m], 0.125)[0]
+        assert torch.equal(got[i], alone), i
+    with pytest.raises(ValueError, match="group 1: mask"):
+        dd.dense_decode_groups(q[:2], ks[:2], vs[:2], [None, torch.ones(3, 7, dtype=torch.bool)], 0.125)

@@ -326,3 +326,38 @@ def test_quantize_dequantize_is_unpack_of_pack_without_the_codes(bits, dtype):
     got = dequantized_at(*group_ranges(x, 32), bits)
     want = quant.unpack_dequantize_reference(*quant.quantize_pack_reference(x, bits, 32), bits, 32)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_cpu_loop_quantizes_bit_for_bit_as_the_reference(bits, dtype):
+    """`quantize_pack_cpu` (C++) against the reference: the same codes, scales and zeros, with
+    constant groups (scale 0), a row that is a view of a wider tensor and odd row counts."""
+    if not quant.quantize_pack_cpu_handles(torch.empty(1, 1)):
+        pytest.skip("the C++ kernels could not be built here: the reference serves")
+    gen = torch.Generator().manual_seed(bits)
+    for n, g in ((1, 8), (37, 32), (5, 64)):
+        x = (torch.randn(n, 4 * g + 8, generator=gen) * 3).to(dtype)[:, :4 * g]       # rows strided
+        x[0, :g] = 1.5                                                                # a constant group
+        got = quant.quantize_pack_cpu(x, bits, g)
+        want = quant.quantize_pack_reference(x, bits, g)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), (n, g)
+    xt = (torch.randn(64, 32, generator=gen) * 2).to(dtype).T                         # [32, 64], element stride 32
+    for a, b in zip(quant.quantize_pack_cpu(xt, bits, 32), quant.quantize_pack_reference(xt, bits, 32)):
+        assert torch.equal(a, b)
+
+
+def test_every_width_in_one_pass_matches_quantizing_at_each():
+    """`dequantized_forms` (C++, the storage-form losses) against `dequantized_at` per bit width:
+    a transposed view read in place, only the first whole groups of the first rows quantized."""
+    if not quant.quantize_pack_cpu_handles(torch.empty(1, 1)):
+        pytest.skip("the C++ kernels could not be built here: the reference serves")
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(100, 24, generator=gen) * 3).T                          # [24, 100], element stride 24
+    got = quant.dequantized_forms(x, [8, 4, 2], 32, 96, 20)                  # 3 groups of the first 20 rows
+    for bits, out in zip((8, 4, 2), got):
+        want = x.clone()
+        want[:20, :96] = quant.dequantized_at(*quant.group_ranges(x[:20, :96].contiguous(), 32), bits).view(20, 96)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out[20:], x[20:]) and torch.equal(out[:, 96:], x[:, 96:])   # the rest exact

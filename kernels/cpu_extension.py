@@ -1,0 +1,37 @@
+"""The CPU decode kernels' C++ (`kernels/cpu_decode.cpp`), compiled once per machine with torch's
+cpp_extension and cached in TORCH_EXTENSIONS_DIR (~1 min the first time; a changed source
+rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
+first decode waits for a compiler. Where no compiler is, `module()` is None and the launchers
+(`kernels.dense_decode`, `kernels.quant_decode`) take their torch references."""
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+log = logging.getLogger("kvplan.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_LOCK = threading.Lock()
+_MODULE: list = []          # [module] once built, [None] once it could not be
+
+
+def module():
+    """The compiled extension, built at first use (None: it could not be built here)."""
+    if not _MODULE:
+        with _LOCK:
+            if not _MODULE:
+                try:
+                    from torch.utils.cpp_extension import load
+                    _MODULE.append(load("kvplan_cpu_decode", sources=[str(SOURCE)],
+                                        extra_cflags=["-O3", "-march=native", "-fopenmp"],   # at::parallel_for is
+                                        extra_ldflags=["-fopenmp"], verbose=False))           # OpenMP: torch's libgomp
+                except Exception as e:              # noqa: BLE001  (no compiler, no headers: the references)
+                    log.warning("CPU decode kernels not built (%s): decode attention uses the torch references", e)
+                    _MODULE.append(None)
+    return _MODULE[0]
+
+
+def build() -> bool:
+    """Build (or load the cached build of) the kernels now -> whether they are there."""
+    return module() is not None
