@@ -62,18 +62,25 @@ def job_adds(context: int, suffix: int, new_tokens: int, chunk: int) -> tuple[li
     return ctx, after
 
 
+def quant_tail_rows(tokens, residual: int, group: int):
+    """Rows a `quant` layer's dense tail storage holds with `tokens` stored (a number or an array):
+    residual + group - 1 (the most the tail holds between flushes: decode rows are written in
+    place) once the group holds that many tokens, its exact rows before."""
+    return np.minimum(np.asarray(tokens), residual + group - 1)
+
+
 def quant_bytes(tokens, bits: int, group: int, residual: int, head_dim: int, itemsize: int,
                 value_group: int | None = None):
     """Bytes one KV group of a `quant` layer holds with `tokens` stored (a number or an array):
     whole groups of `group` quantized (K per channel, V per token, fp16 scales and zeros) once
-    the tail passes `residual + group`, the tail dense."""
+    the tail passes `residual + group`, the tail's storage dense (`quant_tail_rows`)."""
     tokens = np.asarray(tokens)
     tail = np.where(tokens < residual + group, tokens, residual + (tokens - residual) % group)
     q = tokens - tail
     gv = math.gcd(value_group or group, head_dim)
     k = q * head_dim * bits / 8 + (q // group) * head_dim * 2 * SCALE_BYTES
     v = q * (head_dim * bits / 8 + 2 * SCALE_BYTES * head_dim // gv)
-    return tail * dense_row_bytes(head_dim, itemsize) + k + v
+    return quant_tail_rows(tokens, residual, group) * dense_row_bytes(head_dim, itemsize) + k + v
 
 
 def lowbit_bytes(tokens: int, heads: int, head_dim: int, bits: int, group: int, residual: int, key_tail: int,

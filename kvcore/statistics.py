@@ -133,13 +133,19 @@ def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
     groups of gcd(QUANT_GROUP, D) channels); the last T mod QUANT_GROUP tokens stay exact, as a
     quant layer's full-precision tail does. The groups and their ranges are found once for every
     bit width; keys stay in the channel-major layout they are grouped in (what q·kᵀ reads)."""
-    from kernels.quant import dequantized_at, group_ranges      # = unpack(pack(x)), never packed
+    from kernels.quant import dequantized_at, dequantized_forms, group_ranges, quantize_pack_cpu_handles
     hk, t, d = k.shape
     q_t = t - t % QUANT_GROUP
     g = math.gcd(QUANT_GROUP, d)
     k_t = k.transpose(1, 2)                                                                  # [H_kv, D, T] view
     if not q_t:
         return lambda bits: (k_t, v)
+    if k.dtype == v.dtype == torch.float32 and quantize_pack_cpu_handles(k):     # C++: every width in one pass
+        widths = [b for b in BITS if b != 16]
+        ks = [dequantized_forms(k_t[h], widths, QUANT_GROUP, q_t, d) for h in range(hk)]    # per head [D, T] each
+        vs = [dequantized_forms(v[h], widths, g, d, q_t) for h in range(hk)]                 # per head [T, D] each
+        forms = {b: (torch.stack([x[i] for x in ks]), torch.stack([x[i] for x in vs])) for i, b in enumerate(widths)}
+        return lambda bits: forms[bits]
     k_groups = group_ranges(k_t[:, :, :q_t].reshape(hk * d, q_t), QUANT_GROUP)
     v_groups = group_ranges(v[:, :q_t].reshape(-1, d), g)
 

@@ -38,7 +38,7 @@ def layer_bytes(tokens, bits: int, head_dim: int, itemsize: int = STORAGE_BYTES)
     """Bytes one KV head holds for `tokens` stored tokens (a number or an array of them) at
     `bits` (16: the storage dtype): a quant layer quantizes whole groups of QUANT_GROUP while at
     least RESIDUAL newest tokens stay in the storage dtype (`kvcore.cost.quant_bytes`, the quant
-    layer's own rule), so its tail holds RESIDUAL..RESIDUAL + QUANT_GROUP - 1 of them."""
+    layer's own rule), its tail's storage RESIDUAL + QUANT_GROUP - 1 rows."""
     if bits == 16:
         return tokens * dense_row_bytes(head_dim, itemsize)
     return quant_bytes(tokens, bits, QUANT_GROUP, RESIDUAL, head_dim, itemsize)

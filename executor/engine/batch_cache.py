@@ -12,6 +12,26 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kernels import dense_decode, quant_decode
+
+
+def _dense(form: tuple, operands: list, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """operands: (k, v [T_i, D] fp16, mask [h, T_i] or None) per group; q [G, h, D] -> [G, h, D].
+    The groups' layers checked them (`decode_groups`): the kernel itself."""
+    ks, vs, masks = zip(*operands)
+    return dense_decode.attend_groups_cpu(q, list(ks), list(vs), None if all(m is None for m in masks)
+                                          else list(masks), scaling)
+
+
+def _quant(form: tuple, operands: list, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """operands: (QuantRows, k_tail, v_tail [R_i, D] fp16, mask [h, U_i] or None) per group."""
+    rows, kt, vt, masks = zip(*operands)
+    return quant_decode.attend_groups_cpu(list(rows), q, list(kt), list(vt),
+                                          None if all(m is None for m in masks) else list(masks), scaling)
+
+
+DECODE_KERNELS = {"dense": _dense, "quant": _quant}     # a DecodeGroups form's first word -> its kernel
+
 
 class _Route(DynamicLayer):
     """One model layer across the step's sequences."""
@@ -34,11 +54,31 @@ class _Route(DynamicLayer):
         return ks, vs
 
     def attend(self, q: torch.Tensor, ks: list, vs: list, scaling: float) -> torch.Tensor:
-        """q: [1, H, N, D] -> [1, N, H, D], each segment attended by its own sequence's layer."""
+        """q: [1, H, N, D] -> [1, N, H, D], each segment attended by its own sequence's layer — the
+        decode rows of layers alike in form (`CacheLayer.decode_groups`) by one kernel call for
+        all of them, the same arithmetic per group as a call of their own."""
         if len(self.caches) == 1:
             return self.caches[0].layers[self.index].attend(q, ks[0], vs[0], scaling)
-        outs = [cache.layers[self.index].attend(q[:, :, a:b], k, v, scaling)
-                for cache, (a, b), k, v in zip(self.caches, self.spans, ks, vs)]
+        layers = [cache.layers[self.index] for cache in self.caches]
+        outs: list = [None] * len(layers)
+        forms: dict[tuple, list] = {}
+        for i, (layer, (a, b)) in enumerate(zip(layers, self.spans)):
+            dg = layer.decode_groups() if b - a == 1 else None
+            if dg is not None:
+                forms.setdefault(dg.form, []).append((i, dg))
+        for form, items in forms.items():
+            if len(items) == 1:
+                continue                                  # alone in its form: its own call, the same arithmetic
+            rows = torch.stack([q[0, :, self.spans[i][0]] for i, _ in items])                # [S, H, D]
+            s, h, d = rows.shape
+            groups = len(items[0][1].operands)
+            out = DECODE_KERNELS[form[0]](form, [op for _, dg in items for op in dg.operands],
+                                          rows.view(s * groups, h // groups, d), scaling)          # [S·G, h_n, D]
+            for (i, _), o in zip(items, out.view(s, 1, h, d).to(q.dtype)):
+                outs[i] = o[None]                                                               # [1, 1, H, D]
+        for i, (layer, (a, b)) in enumerate(zip(layers, self.spans)):
+            if outs[i] is None:
+                outs[i] = layer.attend(q[:, :, a:b], ks[i], vs[i], scaling)
         return torch.cat(outs, dim=1)
 
     def get_seq_length(self) -> int:

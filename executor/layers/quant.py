@@ -25,6 +25,7 @@ import torch
 from executor.layers.evicted import EvictedLayer
 from executor.layers.base import LayerContext, UnsupportedPlan
 from kernels import lowbit_scores, quant_attend, quantize_pack, unpack_dequantize
+from kernels import quant_decode as qdecode
 from kernels.quant_decode import QuantRows
 from kvcore import cost
 from kvplan.plan import LayerPlan, Quant
@@ -70,9 +71,19 @@ class QuantGroup:
         self.v_codes = torch.empty(0, d * self.bits // 8, dtype=torch.uint8, device=dev)              # [Q, D·b/8]
         self.v_scale = torch.empty(0, d // self.v_group, dtype=torch.float16, device=dev)             # [Q, D/g_v]
         self.v_zero = torch.empty(0, d // self.v_group, dtype=torch.float16, device=dev)              # [Q, D/g_v]
-        self.k_tail, self.v_tail = k_post.to(dtype), v.to(dtype)                                     # [R, D]
         self._rows: QuantRows | None = None           # the quantized rows as the decode kernel reads them
-        self._flush()
+        self._kt = self._vt = None                    # the tail's storage [capacity, D], dtype: `_store`
+        self.r = 0                                    # tail rows in use
+        self._store(k_post.to(dtype), v.to(dtype))
+        self.fused = qdecode.handles([self.quant_rows()], [self.k_tail, self.v_tail])   # the decode kernel reads it
+
+    @property
+    def k_tail(self) -> torch.Tensor:
+        return self._kt[:self.r]                      # [R, D]
+
+    @property
+    def v_tail(self) -> torch.Tensor:
+        return self._vt[:self.r]
 
     @property
     def quantized_tokens(self) -> int:
@@ -80,31 +91,50 @@ class QuantGroup:
 
     @property
     def num_tokens(self) -> int:
-        return self.quantized_tokens + self.k_tail.shape[0]
+        return self.quantized_tokens + self.r
 
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> None:
-        """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE)."""
-        self.k_tail = torch.cat([self.k_tail, k_post.to(self.k_tail.dtype)])
-        self.v_tail = torch.cat([self.v_tail, v.to(self.v_tail.dtype)])
-        self._flush()
-
-    def _flush(self) -> None:
-        """Quantize the tail's oldest whole groups, leaving at least `residual` rows in it."""
-        n = (self.k_tail.shape[0] - self.residual) // self.group
-        if n <= 0:
+        """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE). Rows that fit the
+        tail's storage are written in place; the row that fills it past `residual + g - 1` (a
+        decode every g steps, or a longer call) flushes whole groups and stores the rest anew."""
+        m = k_post.shape[0]
+        if self.r + m <= self._kt.shape[0]:
+            self._kt[self.r:self.r + m] = k_post
+            self._vt[self.r:self.r + m] = v
+            self.r += m
             return
-        m, d = n * self.group, self.k_tail.shape[1]
-        k = self.k_tail[:m].reshape(n, self.group, d).transpose(1, 2).reshape(n * d, self.group)   # [n·D, g]
+        dtype = self._kt.dtype
+        self._store(torch.cat([self.k_tail, k_post.to(dtype)]), torch.cat([self.v_tail, v.to(dtype)]))
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, D] the whole tail (storage dtype): its oldest whole groups quantized, leaving at
+        least `residual` rows (`_flush`), the rest into storage of `cost.quant_tail_rows` rows —
+        residual + g - 1 once the group holds that many tokens (the most a tail holds between
+        flushes), its exact rows before."""
+        rest = self._flush(k, v)
+        cap = int(cost.quant_tail_rows(self.quantized_tokens + rest, self.residual, self.group))
+        self._kt, self._vt = k.new_empty(cap, k.shape[1]), v.new_empty(cap, v.shape[1])
+        self._kt[:rest], self._vt[:rest] = k[k.shape[0] - rest:], v[v.shape[0] - rest:]
+        self.r = rest
+
+    def _flush(self, k_tail: torch.Tensor, v_tail: torch.Tensor) -> int:
+        """Quantize the oldest whole groups of a tail k_tail, v_tail [T, D], leaving at least
+        `residual` rows -> the rows left (its last ones)."""
+        n = (k_tail.shape[0] - self.residual) // self.group
+        if n <= 0:
+            return k_tail.shape[0]
+        m, d = n * self.group, k_tail.shape[1]
+        k = k_tail[:m].reshape(n, self.group, d).transpose(1, 2).reshape(n * d, self.group)     # [n·D, g]
         codes, scale, zero = quantize_pack(k, self.bits, self.group)
         self.k_codes = torch.cat([self.k_codes, codes.view(n, d, -1)])
         self.k_scale = torch.cat([self.k_scale, scale.view(n, d)])
         self.k_zero = torch.cat([self.k_zero, zero.view(n, d)])
-        codes, scale, zero = quantize_pack(self.v_tail[:m], self.bits, self.v_group)             # [m, D] per token
+        codes, scale, zero = quantize_pack(v_tail[:m], self.bits, self.v_group)                 # [m, D] per token
         self.v_codes = torch.cat([self.v_codes, codes])
         self.v_scale = torch.cat([self.v_scale, scale])
         self.v_zero = torch.cat([self.v_zero, zero])
-        self.k_tail, self.v_tail = self.k_tail[m:].clone(), self.v_tail[m:].clone()   # clone: free the rows
         self._rows = None
+        return k_tail.shape[0] - m
 
     def quant_rows(self) -> QuantRows:
         """The quantized rows as the decode kernel reads them (made once per flush)."""
@@ -112,6 +142,13 @@ class QuantGroup:
             self._rows = QuantRows(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
                                    self.bits)
         return self._rows
+
+    def decode_operand(self, mask: torch.Tensor | None) -> tuple | None:
+        """mask: [h_n, U] bool or None -> (form, (rows, k_tail, v_tail, mask)) for the quantized
+        decode kernel, or None where it cannot read this group (fp32 tails, another device)."""
+        if not self.fused:
+            return None
+        return ("quant", self.bits, self.group, self.v_group), (self.quant_rows(), self.k_tail, self.v_tail, mask)
 
     def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> post-RoPE K, V: [U, D] in `dtype` (dequantized rows, then the tail)."""
@@ -148,15 +185,15 @@ class QuantGroup:
         return out.view(h, tq, d).to(q.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-                self.k_tail, self.v_tail]
+        """Every tensor held: the codes, scales and zeros, and the tail's whole storage."""
+        return [self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, self._kt, self._vt]
 
     def bytes_bound(self, adds: list[int]) -> int:
         """Most bytes held at any step while `adds` rows join in turn (`kvcore.cost.quant_bytes`:
-        exact, the tail's flushes included)."""
+        exact, the tail's flushes and its storage included)."""
         steps = self.num_tokens + np.cumsum([0, *adds])
-        d = self.k_tail.shape[1]
-        return int(cost.quant_bytes(steps, self.bits, self.group, self.residual, d, self.k_tail.element_size(),
+        d = self._kt.shape[1]
+        return int(cost.quant_bytes(steps, self.bits, self.group, self.residual, d, self._kt.element_size(),
                                     self.v_group).max())
 
 
