@@ -19,6 +19,7 @@ class _Record:
     events: list[bytes] = field(default_factory=list)
     cancelled: bool = False
     expires: float | None = None
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)   # its followers wait on it
 
 
 class MemoryJobs:
@@ -27,14 +28,12 @@ class MemoryJobs:
     def __init__(self):
         self._jobs: dict[str, _Record] = {}
         self._pending: asyncio.Queue[str] | None = None
-        self._changed: asyncio.Condition | None = None
         self._entries = itertools.count(1)
         self._queued: Counter[str] = Counter()                  # tenant -> jobs waiting or running
         self._window: tuple[int, Counter[str]] = (0, Counter())  # (minute, submissions per tenant)
 
     async def open(self) -> None:
         self._pending = asyncio.Queue()
-        self._changed = asyncio.Condition()
 
     async def close(self) -> None:
         pass
@@ -104,24 +103,24 @@ class MemoryJobs:
         return rec.status if rec else None
 
     async def append_event(self, job_id: str, event: bytes) -> None:
-        self._jobs[job_id].events.append(event)
-        async with self._changed:
-            self._changed.notify_all()
+        """Wakes this job's followers only: a token of one job never wakes the streams of the others."""
+        rec = self._jobs[job_id]
+        rec.events.append(event)
+        async with rec.changed:
+            rec.changed.notify_all()
 
     async def events(self, job_id: str, after: str, block_ms: int) -> list[tuple[str, bytes]]:
         start = int(after)
-
-        def ready():
-            rec = self._jobs.get(job_id)
-            return rec is None or len(rec.events) > start
-
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(ready), block_ms / 1000)
-            except asyncio.TimeoutError:
-                return []
         rec = self._jobs.get(job_id)
-        return [] if rec is None else [(str(i + 1), e) for i, e in enumerate(rec.events[start:], start)]
+        if rec is None:
+            return []
+        if len(rec.events) <= start:                   # nothing new yet: wait for this job's next event
+            async with rec.changed:
+                try:
+                    await asyncio.wait_for(rec.changed.wait_for(lambda: len(rec.events) > start), block_ms / 1000)
+                except asyncio.TimeoutError:
+                    return []
+        return [(str(i + 1), e) for i, e in enumerate(rec.events[start:], start)]
 
     async def cancel(self, job_id: str) -> None:
         self._jobs[job_id].cancelled = True
