@@ -111,7 +111,7 @@ def burst(args, tok, cases) -> None:
     pool = load.cases(tok, 2 * QUIET + n_burst, args.lengths)
     kinds = {"full": dict(strategy="full", ratio=None), f"auto@{args.ratio:g}": dict(strategy="auto", ratio=args.ratio),
              "adaptive": dict(strategy="auto", ratio=None, adaptive=True)}
-    runs, texts = [], {}
+    runs = []
     for name, kind in kinds.items():
         def item(c):
             return load.Item(c, new_tokens=args.new_tokens, at_s=0.0, ignore_eos=not args.stop_at_eos, **kind)
@@ -127,11 +127,8 @@ def burst(args, tok, cases) -> None:
                 time.sleep(1.5)
                 marks.append(stack.metrics())
                 phases[phase] = _phase(sent, marks[-2], marks[-1], budget)
-        texts[name] = {s["id"]: s["text"] for ph in phases.values() for s in ph["jobs"]}
         runs.append(dict(kind=name, **kind, phases=phases))
-    for r in runs:                         # answers as full's: the same text, job by job, in each phase
-        for ph in r["phases"].values():
-            ph["as_full"] = sum(texts[r["kind"]][i] == texts["full"].get(i) for i in ph["ids"])
+    as_full(runs)
     res = dict(scenario="burst", budget_bytes=budget, budget_jobs=k, length=length, new_tokens=args.new_tokens,
                burst_jobs=n_burst, quiet_jobs=QUIET, runs=runs, when=time.strftime("%Y-%m-%d %H:%M"))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +142,16 @@ def burst(args, tok, cases) -> None:
                   f"{ph['reasons']} | {ph['measured_ratio']:.3f} | {ph['correct']}/{ph['requests']} | "
                   f"{ph['as_full']}/{ph['requests']} | {ph['ttft'][0]:.1f}/{ph['ttft'][2]:.1f} | "
                   f"{ph['decode_tps']:.1f} | {ph['most_decoding']:.0f} | {ph['peak_kv_bytes'] / budget:.3f} |")
+
+
+def as_full(runs: list[dict]) -> None:
+    """Each phase's `as_full`: its jobs whose text is full's for the same request (the same place
+    in the same phase: a case may come more than once in a run)."""
+    full = next((r for r in runs if r["kind"] == "full"), None)
+    for r in runs:
+        for name, ph in r["phases"].items():
+            ref = full["phases"][name]["jobs"] if full else []
+            ph["as_full"] = sum(a["text"] == b["text"] for a, b in zip(ph["jobs"], ref))
 
 
 def _phase(sent, before, after, budget) -> dict:

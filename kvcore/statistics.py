@@ -204,6 +204,7 @@ class LayerStatistics:
     _prev: tuple | None = None
     _gen: torch.Generator | None = None
     tokens: int = 0
+    spent_s: float = 0.0         # wall time its gatherer spent on the layers (`ProbeStats.seconds` by default)
 
     def add(self, q_last: torch.Tensor, k_rot: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
         """q_last: [H, W', D] the layer's last queries (post-RoPE; W' >= min(window, T) and
@@ -228,13 +229,14 @@ class LayerStatistics:
             self._v_ang.append(angle(self._prev[1], v))
         self._prev = (k_pre, v)
 
-    def result(self, seconds: float = 0.0) -> "ProbeStats":
+    def result(self, seconds: float | None = None) -> "ProbeStats":
+        """seconds: the wall time to report (default: `spent_s`, what gathering the layers took)."""
         lost = self._lost
         return ProbeStats(
             tokens=self.tokens, window_scores=torch.stack(self._scores).numpy().astype(np.float32),
             k_similar=np.array(self._k_sim, np.float32), v_similar=np.array(self._v_sim, np.float32),
             k_angle=np.array(self._k_ang, np.float32), v_angle=np.array(self._v_ang, np.float32),
-            window=min(self.window, self.tokens), seconds=seconds,
+            window=min(self.window, self.tokens), seconds=self.spent_s if seconds is None else seconds,
             losses=None if not self.losses else Losses(
                 fractions=np.array(FRACTIONS), evict=np.stack([x[0] for x in lost]),
                 retained=np.stack([x[1] for x in lost]), bits=np.array(BITS), quant=np.stack([x[2] for x in lost])),

@@ -2,6 +2,8 @@
 deployment) and handed to attention in the compute dtype."""
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -131,10 +133,12 @@ class FullLayer(DynamicLayer):
         the chunk's queries; k, v: [1, H_kv, T, D] the whole context, post-RoPE keys) and keep its
         last queries for the compression the plan brings (`compress_now`)."""
         state = self.ctx.state
+        t0 = time.perf_counter()
         keep = state.stats.keep_queries
         k_pre = unrotate_rope(k[0].float(), torch.arange(k.shape[2], device=k.device), *self.ctx.rope)
         state.stats.add(q[0, :, -keep:], k[0], k_pre, v[0], scaling)
         state.queries.append(q[0, :, -keep:].clone())
+        state.stats.spent_s += time.perf_counter() - t0
 
     def compress_now(self, q: torch.Tensor, scaling: float) -> None:
         """Compress the dense context this layer holds as its plan says (q: [H, W, D] the context's
