@@ -62,11 +62,23 @@ def job_adds(context: int, suffix: int, new_tokens: int, chunk: int) -> tuple[li
     return ctx, after
 
 
+TAIL_CHUNK = 8                  # rows a quant layer's dense tail storage grows by (held, so counted)
+
+
+def quant_tail(tokens, residual: int, group: int):
+    """Rows in a `quant` layer's dense tail with `tokens` stored (a number or an array): all of
+    them until the tail reaches residual + group, then residual + (tokens - residual) mod group
+    (whole groups of the oldest are quantized as it gets there)."""
+    tokens = np.asarray(tokens)
+    return np.where(tokens < residual + group, tokens, residual + (tokens - residual) % group)
+
+
 def quant_tail_rows(tokens, residual: int, group: int):
-    """Rows a `quant` layer's dense tail storage holds with `tokens` stored (a number or an array):
-    residual + group - 1 (the most the tail holds between flushes: decode rows are written in
-    place) once the group holds that many tokens, its exact rows before."""
-    return np.minimum(np.asarray(tokens), residual + group - 1)
+    """Rows the tail's storage holds: its rows rounded up to a whole TAIL_CHUNK (decode rows are
+    written in place, the storage grows a chunk at a time and is made anew at each flush), never
+    more than residual + group - 1, the most the tail holds."""
+    tail = quant_tail(tokens, residual, group)
+    return np.minimum(-(-tail // TAIL_CHUNK) * TAIL_CHUNK, residual + group - 1)
 
 
 def quant_bytes(tokens, bits: int, group: int, residual: int, head_dim: int, itemsize: int,
@@ -75,8 +87,7 @@ def quant_bytes(tokens, bits: int, group: int, residual: int, head_dim: int, ite
     whole groups of `group` quantized (K per channel, V per token, fp16 scales and zeros) once
     the tail passes `residual + group`, the tail's storage dense (`quant_tail_rows`)."""
     tokens = np.asarray(tokens)
-    tail = np.where(tokens < residual + group, tokens, residual + (tokens - residual) % group)
-    q = tokens - tail
+    q = tokens - quant_tail(tokens, residual, group)
     gv = math.gcd(value_group or group, head_dim)
     k = q * head_dim * bits / 8 + (q // group) * head_dim * 2 * SCALE_BYTES
     v = q * (head_dim * bits / 8 + 2 * SCALE_BYTES * head_dim // gv)

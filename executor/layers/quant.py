@@ -95,8 +95,8 @@ class QuantGroup:
 
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> None:
         """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE). Rows that fit the
-        tail's storage are written in place; the row that fills it past `residual + g - 1` (a
-        decode every g steps, or a longer call) flushes whole groups and stores the rest anew."""
+        tail's storage are written in place; past it the storage grows by `cost.TAIL_CHUNK` rows,
+        and the rows that take the tail to `residual + g` flush whole groups and store the rest anew."""
         m = k_post.shape[0]
         if self.r + m <= self._kt.shape[0]:
             self._kt[self.r:self.r + m] = k_post
@@ -108,9 +108,8 @@ class QuantGroup:
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, D] the whole tail (storage dtype): its oldest whole groups quantized, leaving at
-        least `residual` rows (`_flush`), the rest into storage of `cost.quant_tail_rows` rows —
-        residual + g - 1 once the group holds that many tokens (the most a tail holds between
-        flushes), its exact rows before."""
+        least `residual` rows (`_flush`), the rest into storage of `cost.quant_tail_rows` rows (its
+        rows rounded up to a chunk, at most residual + g - 1)."""
         rest = self._flush(k, v)
         cap = int(cost.quant_tail_rows(self.quantized_tokens + rest, self.residual, self.group))
         self._kt, self._vt = k.new_empty(cap, k.shape[1]), v.new_empty(cap, v.shape[1])

@@ -46,7 +46,7 @@ def test_bytes_held_are_the_tensors_and_shrink_by_the_expected_factor(tiny_model
         assert lb.kind == "quant" and layer.compressed and layer.keys is None        # dense copy gone
         assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
         assert all(g.quantized_tokens == 64 and g.k_tail.shape[0] == 26 for g in layer.groups)   # 90 = 2·32 + 26
-        # the tail's storage holds residual + g - 1 = 31 rows (decode rows are written in place), 26 in use
+        # the tail's storage: its 26 rows rounded up to a chunk of 8, at most residual + g - 1 = 31 rows
         assert lb.kv_bytes == hk * _quant_bytes(64, 31, bits, 32)
         assert lb.full_kv_bytes == 2 * 90 * hk * D * 2 and lb.kept_tokens == 90
         # the quantized part against fp16: bits/16 + one K scale/zero pair per 32 tokens + one V pair per 16 channels
@@ -111,8 +111,9 @@ def test_eight_bit_quant_decodes_like_the_full_cache(tiny_model):
     tokens = len(CONTEXT) + len(QUESTION) + 7
     for lb in run.layers:
         assert lb.kind == "quant" and lb.kept_tokens == tokens
-        # whole groups of 32 quantized; the tail's storage holds residual + g - 1 = 31 rows
-        assert lb.kv_bytes == tiny_model.num_kv_heads * _quant_bytes(tokens // 32 * 32, 31, 8, 32) < lb.full_kv_bytes
+        # whole groups of 32 quantized; the tail's rows rounded up to a chunk of 8 (at most 31) in storage
+        held = min(-(-(tokens % 32) // 8) * 8, 31)
+        assert lb.kv_bytes == tiny_model.num_kv_heads * _quant_bytes(tokens // 32 * 32, held, 8, 32) < lb.full_kv_bytes
 
 
 @pytest.mark.parametrize("residual", [0, 16])
@@ -168,7 +169,7 @@ def test_decode_appends_are_quantized_within_half_a_step(tiny_model):
     kb, vb = _bound(group)
     assert group.num_tokens == 140 and group.quantized_tokens == 128 and k.shape == (140, D)
     assert ((k - k_all).abs() <= kb).all() and ((v - v_all).abs() <= vb).all()
-    assert sum(t.nbytes for t in group.tensors()) == _quant_bytes(128, 8 + g - 1, 2, g)    # 12 rows in tail storage of 39
+    assert sum(t.nbytes for t in group.tensors()) == _quant_bytes(128, 16, 2, g)    # 12 tail rows in storage of 16
 
 
 @pytest.mark.parametrize("gqa", ["mean", "repeat"])
@@ -190,8 +191,9 @@ def test_quant_under_eviction_keeps_the_evicted_layers_rows(tiny_model, gqa):
             kb, vb = _bound(gq)
             assert ((kq - ke).abs() <= kb).all() and ((vq - ve).abs() <= vb).all()
         assert lb_q.kv_bytes == sum(t.nbytes for t in q.tensors())
-        # each group: its quantized rows at 4 bits (+ scales) and a tail storage of g - 1 = 31 fp16 rows
-        assert lb_q.kv_bytes == sum(_quant_bytes(g.quantized_tokens, 31, 4, 32) for g in q.groups) + \
+        # each group: its quantized rows at 4 bits (+ scales), its tail rounded up to 8 rows of storage
+        assert lb_q.kv_bytes == sum(_quant_bytes(g.quantized_tokens, min(-(-g.r // 8) * 8, 31), 4, 32)
+                                    for g in q.groups) + \
             sum(m.nbytes for m in q.masks or [])
 
 
