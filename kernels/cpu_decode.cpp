@@ -590,9 +590,66 @@ std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_
   return outs;
 }
 
+// ---------------------------------------------------------------------------------------------
+// New rows into the dense fp16 tails of a layer's KV groups (a decode step's append): k, v
+// [G, T, D] fp32 or fp16 (any strides); per group i, kt[i], vt[i] [cap_i, D] fp16 with contiguous
+// rows, at[i] of them used. Rows at[i] .. at[i] + T of group i := k[i], v[i] rounded to fp16 (to
+// nearest even, as `Tensor.to(torch.float16)`), in place where the tail has room; else into new
+// storage of min(ceil((at[i] + T) / chunk) * chunk, limit) rows holding the tail's at[i] rows
+// first (an error if even that is too small). -> the 2G tails after it: kt'[0..G), vt'[0..G).
+std::vector<torch::Tensor> append_tails(torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kt,
+                                        std::vector<torch::Tensor> vt, std::vector<int64_t> rows_at, int64_t chunk,
+                                        int64_t limit) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [G, T, D]");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf), "k and v must be fp32 or fp16");
+  TORCH_CHECK(chunk > 0, "chunk must be positive");
+  const int64_t G = k.size(0), T = k.size(1), D = k.size(2);
+  TORCH_CHECK((int64_t)kt.size() == G && (int64_t)vt.size() == G && (int64_t)rows_at.size() == G,
+              "one tail pair and one row count per group");
+  std::vector<int64_t> cap(G);
+  for (int64_t i = 0; i < G; ++i) {
+    TORCH_CHECK(kt[i].size(0) == vt[i].size(0), "group ", i, ": k and v tails of different sizes");
+    for (const auto* t : {&kt[i], &vt[i]})
+      TORCH_CHECK(t->scalar_type() == torch::kHalf && t->dim() == 2 && t->size(1) == D && t->stride(1) == 1,
+                  "tails must be fp16 [cap, D] with contiguous rows");
+    const int64_t need = rows_at[i] + T;
+    TORCH_CHECK(rows_at[i] >= 0 && rows_at[i] <= kt[i].size(0), "group ", i, ": ", rows_at[i], " rows used of ",
+                kt[i].size(0));
+    cap[i] = need <= kt[i].size(0) ? kt[i].size(0) : std::min((need + chunk - 1) / chunk * chunk, limit);
+    TORCH_CHECK(need <= cap[i], "group ", i, ": rows ", rows_at[i], "..", need, " past its tail's limit of ", limit);
+  }
+  std::vector<torch::Tensor> out(2 * G);
+  for (int64_t i = 0; i < G; ++i)
+    for (int w = 0; w < 2; ++w) {
+      torch::Tensor dst = w ? vt[i] : kt[i];
+      if (cap[i] > dst.size(0)) {                          // a larger storage, the used rows first
+        torch::Tensor grown = torch::empty({cap[i], D}, dst.options());
+        for (int64_t j = 0; j < rows_at[i]; ++j)
+          std::copy_n(dst.data_ptr<at::Half>() + j * dst.stride(0), D, grown.data_ptr<at::Half>() + j * D);
+        dst = grown;
+      }
+      const torch::Tensor& src = w ? v : k;
+      const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+      for (int64_t j = 0; j < T; ++j) {
+        uint16_t* o = reinterpret_cast<uint16_t*>(dst.data_ptr<at::Half>()) + (rows_at[i] + j) * dst.stride(0);
+        if (src.scalar_type() == torch::kHalf) {
+          const uint16_t* x = reinterpret_cast<const uint16_t*>(src.data_ptr<at::Half>()) + i * s0 + j * s1;
+          for (int64_t d = 0; d < D; ++d) o[d] = x[d * s2];
+        } else {
+          const float* x = src.data_ptr<float>() + i * s0 + j * s1;
+          for (int64_t d = 0; d < D; ++d) o[d] = _cvtss_sh(x[d * s2], _MM_FROUND_TO_NEAREST_INT);
+        }
+      }
+      out[w * G + i] = dst;
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
   m.def("dense_decode", &dense_decode, "decode attention over dense fp16 rows of many groups");
   m.def("quant_decode", &quant_decode, "decode attention over KIVI-quantized rows of many groups");
+  m.def("append_tails", &append_tails, "new rows into many groups' fp16 tails (grown where full)");
 }

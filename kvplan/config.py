@@ -71,6 +71,9 @@ class ModelConfig:
     compute_dtype: str = _env("KVPLAN_COMPUTE_DTYPE", "float32", "dtype the model computes in")
     threads: int = _env("KVPLAN_THREADS", 0, "torch intra-op threads; 0: torch's default")
     device: str = _env("KVPLAN_DEVICE", "cpu", "cpu | cuda | cuda:N: the model and every tensor a job creates")
+    packed_linear: bool = _env("KVPLAN_PACKED_LINEAR", True,
+                               "CPU fp32: the model's linears through oneDNN with weights packed once "
+                               "(kvplan.packed_linear): ~2x faster weight reads at decode")
     hold_freed_memory: bool = _env("KVPLAN_HOLD_FREED_MEMORY", True,
                                    "keep freed C-heap memory for reuse (kvplan.allocator): ~3x faster decode "
                                    "attention over fp16 caches on CPU")

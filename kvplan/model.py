@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvplan import allocator
+from kvplan import allocator, packed_linear
 from kvplan.config import ModelConfig
 
 log = logging.getLogger("kvplan.model")
@@ -132,6 +132,8 @@ def load(cfg: ModelConfig) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
         model.to(cfg.device)
         tok = AutoTokenizer.from_pretrained(path)
+    if cfg.packed_linear:
+        packed_linear.pack(model)             # CPU fp32 only; elsewhere a no-op
     c = model.config
     heads = c.num_attention_heads
     return LoadedModel(

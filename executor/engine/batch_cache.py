@@ -60,26 +60,29 @@ class _Route(DynamicLayer):
         if len(self.caches) == 1:
             return self.caches[0].layers[self.index].attend(q, ks[0], vs[0], scaling)
         layers = [cache.layers[self.index] for cache in self.caches]
-        outs: list = [None] * len(layers)
         forms: dict[tuple, list] = {}
         for i, (layer, (a, b)) in enumerate(zip(layers, self.spans)):
             dg = layer.decode_groups() if b - a == 1 else None
             if dg is not None:
                 forms.setdefault(dg.form, []).append((i, dg))
+        _, h, n, d = q.shape
+        out = q.new_empty(n, h, d)                                                              # [N, H, D]
+        alone = [True] * len(layers)
         for form, items in forms.items():
             if len(items) == 1:
                 continue                                  # alone in its form: its own call, the same arithmetic
-            rows = torch.stack([q[0, :, self.spans[i][0]] for i, _ in items])                # [S, H, D]
-            s, h, d = rows.shape
-            groups = len(items[0][1].operands)
-            out = DECODE_KERNELS[form[0]](form, [op for _, dg in items for op in dg.operands],
-                                          rows.view(s * groups, h // groups, d), scaling)          # [S·G, h_n, D]
-            for (i, _), o in zip(items, out.view(s, 1, h, d).to(q.dtype)):
-                outs[i] = o[None]                                                               # [1, 1, H, D]
+            at = torch.tensor([self.spans[i][0] for i, _ in items], device=q.device)
+            rows = q[0].index_select(1, at).transpose(0, 1)                                     # [S, H, D]
+            s, groups = len(items), len(items[0][1].operands)
+            res = DECODE_KERNELS[form[0]](form, [op for _, dg in items for op in dg.operands],
+                                          rows.reshape(s * groups, h // groups, d), scaling)   # [S·G, h_n, D]
+            out.index_copy_(0, at, res.view(s, h, d).to(q.dtype))
+            for i, _ in items:
+                alone[i] = False
         for i, (layer, (a, b)) in enumerate(zip(layers, self.spans)):
-            if outs[i] is None:
-                outs[i] = layer.attend(q[:, :, a:b], ks[i], vs[i], scaling)
-        return torch.cat(outs, dim=1)
+            if alone[i]:
+                out[a:b] = layer.attend(q[:, :, a:b], ks[i], vs[i], scaling)[0]
+        return out[None]
 
     def get_seq_length(self) -> int:
         return 0

@@ -26,6 +26,7 @@ from executor.layers.evicted import EvictedLayer
 from executor.layers.base import LayerContext, UnsupportedPlan
 from kernels import lowbit_scores, quant_attend, quantize_pack, unpack_dequantize
 from kernels import quant_decode as qdecode
+from kernels import tail_append as tails
 from kernels.quant_decode import QuantRows
 from kvcore import cost
 from kvplan.plan import LayerPlan, Quant
@@ -95,12 +96,18 @@ class QuantGroup:
 
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> None:
         """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE). Rows that fit the
-        tail's storage are written in place; past it the storage grows by `cost.TAIL_CHUNK` rows,
-        and the rows that take the tail to `residual + g` flush whole groups and store the rest anew."""
-        m = k_post.shape[0]
-        if self.r + m <= self._kt.shape[0]:
-            self._kt[self.r:self.r + m] = k_post
-            self._vt[self.r:self.r + m] = v
+        tail's storage are written in place; past it the storage grows by `cost.TAIL_CHUNK` rows
+        (`cost.quant_tail_rows`, inlined: ints, not arrays), and the rows that take the tail to
+        `residual + g` flush whole groups and store the rest anew."""
+        m, r = k_post.shape[0], self.r
+        if r + m > self._kt.shape[0] and r + m < self.residual + self.group:      # no flush: a larger storage
+            cap = min(-(-(r + m) // cost.TAIL_CHUNK) * cost.TAIL_CHUNK, self.residual + self.group - 1)  # quant_tail_rows
+            kt, vt = self._kt.new_empty(cap, self._kt.shape[1]), self._vt.new_empty(cap, self._vt.shape[1])
+            kt[:r], vt[:r] = self._kt[:r], self._vt[:r]
+            self._kt, self._vt = kt, vt
+        if r + m <= self._kt.shape[0]:
+            self._kt[r:r + m] = k_post
+            self._vt[r:r + m] = v
             self.r += m
             return
         dtype = self._kt.dtype
@@ -209,15 +216,27 @@ class QuantLayer(EvictedLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key/value_states: [1, H_kv, T_new, D] (post-RoPE keys): after compression, each group's
-        rows join its tail (converted to the storage dtype once for all groups)."""
+        rows join its tail: where no tail reaches residual + g (most decode steps), by
+        one call for all groups (`kernels.tail_append`: in place, or a tail grown by a chunk); else
+        converted to the storage dtype once and appended group by group (`QuantGroup.append`)."""
         if not self.compressed:
             return super().update(key_states, value_states)
-        k, v = key_states[0].to(self.storage_dtype), value_states[0].to(self.storage_dtype)      # [H_kv, T_new, D]
-        for g, group in enumerate(self.groups):
-            if self.masks is not None:
-                self._grow_mask(g, group.num_tokens, k.shape[1])
-            group.append(k[g], v[g])
-        self.tokens_seen += k.shape[1]
+        groups, t = self.groups, key_states.shape[2]
+        if self.masks is not None:
+            for g, group in enumerate(groups):
+                self._grow_mask(g, group.num_tokens, t)
+        limit = self.plan.quant.residual + self.plan.quant.group_size          # a tail reaching it flushes
+        kts, rows = [group._kt for group in groups], [group.r for group in groups]
+        if max(rows) + t < limit and tails.handles(key_states, kts):              # no flush: one call
+            kts, vts = tails.append_tails(key_states[0], value_states[0], kts, [group._vt for group in groups],
+                                          rows, cost.TAIL_CHUNK, limit - 1)   # grown as `cost.quant_tail_rows`
+            for group, kt, vt in zip(groups, kts, vts):
+                group._kt, group._vt, group.r = kt, vt, group.r + t
+        else:
+            k, v = key_states[0].to(self.storage_dtype), value_states[0].to(self.storage_dtype)  # [H_kv, T_new, D]
+            for g, group in enumerate(groups):
+                group.append(k[g], v[g])
+        self.tokens_seen += t
         return key_states, value_states
 
     def _attend_groups(self, q: torch.Tensor, scaling: float) -> torch.Tensor:

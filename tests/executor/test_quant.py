@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor.cache import UnsupportedPlan
-from executor.layers.quant import QuantGroup, value_group
+from executor.layers.quant import QuantGroup, QuantLayer, value_group
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
 from kvplan.plan import Codebook, Eviction, LayerPlan, Quant
@@ -124,12 +124,13 @@ def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, resi
     plan = _plan(tiny_model.num_layers, quant=Quant(bits=4, group_size=g, residual=residual))
     runner, cache = _prefill(tiny_model, plan)
     handed: dict[int, list[torch.Tensor]] = {}                      # id(group) -> [(k, v) [T_new, D]]
-    append = QuantGroup.append
+    update = QuantLayer.update
 
-    def recording(self, k_post, v, pos=None):
-        handed.setdefault(id(self), []).append((k_post.clone(), v.clone()))
-        append(self, k_post, v, pos)
-    monkeypatch.setattr(QuantGroup, "append", recording)
+    def recording(self, key_states, value_states, *args, **kwargs):
+        for g, group in enumerate(self.groups):                     # what each group is handed (in place or not)
+            handed.setdefault(id(group), []).append((key_states[0, g].clone(), value_states[0, g].clone()))
+        return update(self, key_states, value_states, *args, **kwargs)
+    monkeypatch.setattr(QuantLayer, "update", recording)
     pos = len(CONTEXT)
     with torch.inference_mode():
         for tok in range(7, 77):                                    # 70 decode steps

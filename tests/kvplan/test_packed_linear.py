@@ -1,0 +1,48 @@
+"""The model's linears through oneDNN's packed weights: the same outputs as `nn.Linear` to
+rounding, the decoder's float weights freed, the tied LM head still tied, and nothing swapped
+where the model is not CPU fp32."""
+import dataclasses
+
+import pytest
+import torch
+
+from kvplan import model as models
+from kvplan import packed_linear
+from kvplan.packed_linear import PackedLinear, pack
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17, 600])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_gives_the_linears_output(rows, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    x = torch.randn(1, rows, 96)
+    want = lin(x)
+    got = PackedLinear(lin, keep_weight=False)(x)
+    assert got.shape == want.shape == (1, rows, 200)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    strided = torch.randn(rows, 2, 96)[:, 0]                                   # any input strides
+    torch.testing.assert_close(PackedLinear(lin, keep_weight=False)(strided), lin(strided), rtol=1e-4, atol=1e-5)
+
+
+def test_packing_a_model_swaps_every_linear_and_keeps_its_logits(tiny_model_dir, model_cfg):
+    plain = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), packed_linear=False)).model
+    packed = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), packed_linear=True)).model
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 7 + 1           # 2 layers, the head
+    head = packed.get_output_embeddings()
+    assert head.weight is packed.get_input_embeddings().weight                        # tied: kept, not copied
+    assert not hasattr(packed.model.layers[0].mlp.up_proj, "weight")                  # the float copy freed
+    ids = torch.tensor([[5, 17, 300, 42, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_nothing_is_swapped_off_cpu_fp32():
+    lm = torch.nn.Module()
+    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    lm.get_output_embeddings = lambda: lin
+    lm.lin = lin
+    assert pack(lm) == 0 and type(lm.lin) is torch.nn.Linear
