@@ -22,7 +22,8 @@ from kernels import cpu_extension
 
 def _room(at: int, t: int, cap: int, chunk: int, limit: int) -> int:
     """Rows a tail's storage needs for t more rows after `at`: its own where they fit, else
-    rounded up to a chunk, at most `limit` (`kvcore.cost.quant_tail_rows`)."""
+    rounded up to a chunk, at most `limit` (`kvcore.cost.tail_storage_rows` with the
+    quant layer's chunk and limit)."""
     need = at + t
     return cap if need <= cap else min(-(-need // chunk) * chunk, limit)
 

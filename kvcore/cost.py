@@ -73,12 +73,16 @@ def quant_tail(tokens, residual: int, group: int):
     return np.where(tokens < residual + group, tokens, residual + (tokens - residual) % group)
 
 
+def tail_storage_rows(rows, residual: int, group: int):
+    """Rows the storage of a tail of `rows` rows holds (a number or an array): rounded up to a whole
+    TAIL_CHUNK (decode rows are written in place, the storage grows a chunk at a time and is made
+    anew at each flush), never more than residual + group - 1, the most the tail holds."""
+    return np.minimum(-(-rows // TAIL_CHUNK) * TAIL_CHUNK, residual + group - 1)
+
+
 def quant_tail_rows(tokens, residual: int, group: int):
-    """Rows the tail's storage holds: its rows rounded up to a whole TAIL_CHUNK (decode rows are
-    written in place, the storage grows a chunk at a time and is made anew at each flush), never
-    more than residual + group - 1, the most the tail holds."""
-    tail = quant_tail(tokens, residual, group)
-    return np.minimum(-(-tail // TAIL_CHUNK) * TAIL_CHUNK, residual + group - 1)
+    """Rows the tail's storage holds with `tokens` stored (`tail_storage_rows` of `quant_tail`)."""
+    return tail_storage_rows(quant_tail(tokens, residual, group), residual, group)
 
 
 def quant_bytes(tokens, bits: int, group: int, residual: int, head_dim: int, itemsize: int,

@@ -12,11 +12,7 @@ the packed weight (the float one freed: no second copy); the LM head keeps its w
 the embeddings) beside a packed copy. Results differ from MKL's in rounding only (~1e-4)."""
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger("kvplan.model")
 
 
 def available() -> bool:
@@ -50,7 +46,7 @@ def pack(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings()
     if not available() or head is None or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
         return 0
-    tied = {id(p) for m in (model.get_input_embeddings(),) for p in m.parameters()}
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is torch.nn.Linear]
     for parent, name, child in swaps:

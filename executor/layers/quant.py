@@ -97,11 +97,11 @@ class QuantGroup:
     def append(self, k_post: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> None:
         """k_post, v: [T_new, D]; pos: [T_new] (unused: keys stay post-RoPE). Rows that fit the
         tail's storage are written in place; past it the storage grows by `cost.TAIL_CHUNK` rows
-        (`cost.quant_tail_rows`, inlined: ints, not arrays), and the rows that take the tail to
-        `residual + g` flush whole groups and store the rest anew."""
+        (`cost.tail_storage_rows`), and the rows that take the tail to `residual + g` flush whole
+        groups and store the rest anew."""
         m, r = k_post.shape[0], self.r
         if r + m > self._kt.shape[0] and r + m < self.residual + self.group:      # no flush: a larger storage
-            cap = min(-(-(r + m) // cost.TAIL_CHUNK) * cost.TAIL_CHUNK, self.residual + self.group - 1)  # quant_tail_rows
+            cap = int(cost.tail_storage_rows(r + m, self.residual, self.group))
             kt, vt = self._kt.new_empty(cap, self._kt.shape[1]), self._vt.new_empty(cap, self._vt.shape[1])
             kt[:r], vt[:r] = self._kt[:r], self._vt[:r]
             self._kt, self._vt = kt, vt
@@ -229,7 +229,7 @@ class QuantLayer(EvictedLayer):
         kts, rows = [group._kt for group in groups], [group.r for group in groups]
         if max(rows) + t < limit and tails.handles(key_states, kts):              # no flush: one call
             kts, vts = tails.append_tails(key_states[0], value_states[0], kts, [group._vt for group in groups],
-                                          rows, cost.TAIL_CHUNK, limit - 1)   # grown as `cost.quant_tail_rows`
+                                          rows, cost.TAIL_CHUNK, limit - 1)   # grown as `cost.tail_storage_rows`
             for group, kt, vt in zip(groups, kts, vts):
                 group._kt, group._vt, group.r = kt, vt, group.r + t
         else:
