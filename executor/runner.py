@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from executor.cache import PlannedCache
+from executor.engine.seq_cache import SeqCache
 from executor.engine import KVBudget, LLMEngine
 from executor.engine.result import RunResult, run_result
 from executor.engine.scheduler import Segment
@@ -47,7 +47,7 @@ class Prefix:
     def tokens(self) -> int:
         return self.parts[-1][1] if self.parts else 0
 
-    def seeds(self, cache: PlannedCache, spans: list[tuple[int, int]]) -> bool:
+    def seeds(self, cache: SeqCache, spans: list[tuple[int, int]]) -> bool:
         """Whether a run over `spans` (its context chunks) under `cache`'s plan can start here."""
         same_chunks = tuple(spans[:len(self.parts)]) == self.parts and len(spans) > len(self.parts)
         return same_chunks and all(layer.seedable for layer in cache.layers)
@@ -63,8 +63,11 @@ class Runner:
                                 prefill_chunk=prefill_chunk, prefetch_wait_s=prefetch_wait_s)
         self.stop_ids = self.engine.scheduler.stop_ids
 
-    def new_cache(self, plan: CompressionPlan, store: JobHandle | None = None) -> PlannedCache:
-        return self.engine.runner.new_cache(plan, store)
+    def new_cache(self, plan: CompressionPlan, store: JobHandle | None = None) -> SeqCache:
+        """A cache driven by hand (`prefill`, `decode_step`), holding its slot until `close()`."""
+        cache = self.engine.runner.new_cache(plan, store)
+        cache.open()
+        return cache
 
     def fit(self, plan: CompressionPlan, prompt: Prompt, sampling: Sampling, budget: float | None) -> CompressionPlan:
         return self.engine.fit(plan, prompt, sampling, budget)
@@ -94,13 +97,16 @@ class Runner:
         chunk it) with dense K/V, once, for runs that start from it."""
         spans = chunks(len(prompt.context_ids), self.engine.chunk, max_window)[:-1]
         cache = self.new_cache(full_plan(self.lm.num_layers, "prefix"))
-        for a, b in spans:
-            self.forward(prompt.context_ids[a:b], a, cache, "context")
-        layers = cache.layers if spans else []
-        return Prefix(tuple(spans), tuple(x.keys for x in layers), tuple(x.values for x in layers))
+        try:
+            for a, b in spans:
+                self.forward(prompt.context_ids[a:b], a, cache, "context")
+            rows = [cache.tables.dense(i, cache.slot) for i in range(self.lm.num_layers)] if spans else []
+        finally:
+            cache.close()
+        return Prefix(tuple(spans), tuple(k[None] for k, _ in rows), tuple(v[None] for _, v in rows))
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, cache: PlannedCache) -> torch.Tensor:
+    def prefill(self, prompt: Prompt, cache: SeqCache) -> torch.Tensor:
         """Prefill `prompt` into `cache` as a job's sequence would -> the last token's logits [V]."""
         cache.state.context_tokens = len(prompt.context_ids)
         logits = None
@@ -109,7 +115,7 @@ class Runner:
         return logits[-1]
 
     @torch.inference_mode()
-    def decode_step(self, tok: int, pos: int, cache: PlannedCache, step: int, guess: int | None
+    def decode_step(self, tok: int, pos: int, cache: SeqCache, step: int, guess: int | None
                     ) -> tuple[torch.Tensor, int | None]:
         """Feed `tok` at `pos` (decode step `step`, from 1) -> (next-token logits [V], the next
         guess). Offload plans decode speculatively (the first step starts the guess chain with
@@ -121,8 +127,9 @@ class Runner:
         logits = self.forward([tok, guess], pos, cache, "spec", keep=2, steps=step - 1)         # [2, V]
         return logits[0], int(logits[1].argmax())
 
-    def forward(self, ids: list[int], start: int, cache: PlannedCache, phase: str, keep: int = 1,
+    def forward(self, ids: list[int], start: int, cache: SeqCache, phase: str, keep: int = 1,
                 steps: int = 0) -> torch.Tensor:
         """ids at positions start.. through `cache` under `phase` -> logits of the last `keep` [keep, V]."""
         seq = types.SimpleNamespace(cache=cache, steps=steps)
-        return self.engine.runner.forward([Segment(seq, tuple(ids), start, phase, keep, False)])
+        decode = phase == "after" and len(ids) == 1
+        return self.engine.runner.forward([Segment(seq, tuple(ids), start, phase, keep, False, decode)])

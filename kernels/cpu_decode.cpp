@@ -646,10 +646,136 @@ std::vector<torch::Tensor> append_tails(torch::Tensor k, torch::Tensor v, std::v
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Paged decode (`kernels.paged_decode`): one query row per head over every stream of a layer in
+// one call, each stream's rows in the engine's pool (`executor.engine.kv_pool`): its quantized
+// groups (one group of g rows a block, at any of 2/4/8 bits) and its dense rows [start, end) (fp16
+// blocks of R rows: K rows then V rows), in one softmax. Split-K tasks: runs of whole groups, then
+// runs of whole dense blocks, each at most `task_rows` rows; a stream's tasks combine in a fixed
+// order, so its result is its own whatever else the call holds or the thread count.
+namespace {
+
+struct QuantParts {            // byte offsets of a quant block's parts (`kvcore.blocks.Layout.quant_parts`)
+  int64_t kc, ks, kz, vc, vs, vz;
+};
+
+QuantParts quant_parts(int64_t D, int64_t g, int64_t gv, int bits) {
+  QuantParts p;
+  p.kc = 0;
+  p.ks = p.kc + D * g * bits / 8;
+  p.kz = p.ks + D * 2;
+  p.vc = p.kz + D * 2;
+  p.vs = p.vc + g * D * bits / 8;
+  p.vz = p.vs + g * (D / gv) * 2;
+  return p;
+}
+
+}  // namespace
+
+// q [G, h, D] fp32; arena [bytes] u8; dtable [G, MBd] int32 (pages), dstart, dend [G] int32;
+// qtable [G, MBq] int32 (pages), qn, qbits [G] int32 (qbits 0 or qn 0: no groups) -> [G, h, D] fp32
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor dtable, torch::Tensor dstart,
+                           torch::Tensor dend, torch::Tensor qtable, torch::Tensor qn, torch::Tensor qbits,
+                           int64_t page_bytes, int64_t R, int64_t g, int64_t gv, double scaling, int64_t task_rows) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "q must be fp32 [G, h, D]");
+  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.is_contiguous(), "arena must be contiguous uint8");
+  const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
+  for (const auto* t : {&dtable, &qtable})
+    TORCH_CHECK(t->scalar_type() == torch::kInt && t->dim() == 2 && t->size(0) == G && t->stride(1) == 1,
+                "tables must be int32 [G, MB] with contiguous rows");
+  for (const auto* t : {&dstart, &dend, &qn, &qbits})
+    TORCH_CHECK(t->scalar_type() == torch::kInt && t->numel() == G && t->is_contiguous(), "spans must be int32 [G]");
+  TORCH_CHECK(g % R == 0 || R % g == 0, "bad block shapes");
+  const int32_t* dt = dtable.data_ptr<int32_t>();
+  const int32_t* qt = qtable.data_ptr<int32_t>();
+  const int32_t *ds = dstart.data_ptr<int32_t>(), *de = dend.data_ptr<int32_t>();
+  const int32_t *qnp = qn.data_ptr<int32_t>(), *qbp = qbits.data_ptr<int32_t>();
+  const int64_t dts = dtable.stride(0), qts = qtable.stride(0);
+  const int64_t kb = std::max<int64_t>(1, task_rows / g), db = std::max<int64_t>(1, task_rows / R);
+  std::vector<int64_t> first(G + 1, 0), qtasks(G);
+  for (int64_t i = 0; i < G; ++i) {
+    const int64_t groups = qbp[i] ? qnp[i] : 0;
+    TORCH_CHECK(ds[i] % R == 0 && de[i] >= ds[i], "stream ", i, ": dense rows [", ds[i], ", ", de[i], ") misaligned");
+    qtasks[i] = (groups + kb - 1) / kb;
+    const int64_t blocks = (de[i] + R - 1) / R - ds[i] / R;
+    first[i + 1] = first[i] + qtasks[i] + (blocks + db - 1) / db;
+  }
+  const int64_t tasks = first[G];
+  const int64_t width = std::max(kb * g, db * R);
+  auto qs = (q * scaling).contiguous();
+  auto out = torch::empty({G, h, D}, q.options());
+  std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
+  const float* qp = qs.data_ptr<float>();
+  const uint8_t* base = arena.data_ptr<uint8_t>();
+  const DenseFns df = pick_dense(h, D);
+  QuantFns qf[9];
+  for (int b : {2, 4, 8}) qf[b] = pick_quant(h, D, g, gv, b);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(h * width), tmp(h * D);
+    int64_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= first[i + 1]) ++i;
+      const int64_t b = task - first[i];
+      const float* qi = qp + i * h * D;
+      Partial part{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D};
+      float* a = part.a;
+      if (b < qtasks[i]) {                                   // whole quant groups [j0, j1)
+        const int bits = qbp[i];
+        const QuantParts pp = quant_parts(D, g, gv, bits);
+        const int64_t j0 = b * kb, j1 = std::min<int64_t>(qnp[i], j0 + kb), n = (j1 - j0) * g;
+        for (int64_t j = j0; j < j1; ++j) {
+          const uint8_t* blk = base + (int64_t)qt[i * qts + j] * page_bytes;
+          const uint16_t* ks = reinterpret_cast<const uint16_t*>(blk + pp.ks);
+          const uint16_t* kz = reinterpret_cast<const uint16_t*>(blk + pp.kz);
+          float* sj = s.data() + (j - j0) * g;
+          if (qf[bits].scores) qf[bits].scores(qi, blk + pp.kc, ks, kz, 0, 1, D, sj, width);
+          else quant_scores_any(qi, blk + pp.kc, ks, kz, 0, 1, h, D, g, bits, sj, width);
+        }
+        softmax_rows(s.data(), h, n, width, part.m, part.z);
+        std::fill(a, a + h * D, 0.f);
+        for (int64_t j = j0; j < j1; ++j) {
+          const uint8_t* blk = base + (int64_t)qt[i * qts + j] * page_bytes;
+          const uint16_t* vs = reinterpret_cast<const uint16_t*>(blk + pp.vs);
+          const uint16_t* vz = reinterpret_cast<const uint16_t*>(blk + pp.vz);
+          const float* pj = s.data() + (j - j0) * g;
+          if (qf[bits].values) qf[bits].values(pj, blk + pp.vc, vs, vz, 0, g, gv, tmp.data(), width);
+          else quant_values_any(pj, blk + pp.vc, vs, vz, 0, g, h, D, gv, bits, tmp.data(), width);
+          for (int64_t e = 0; e < h * D; ++e) a[e] += tmp[e];
+        }
+        continue;
+      }
+      const int64_t b0 = ds[i] / R + (b - qtasks[i]) * db;   // whole dense blocks [b0, b1)
+      const int64_t b1 = std::min<int64_t>((de[i] + R - 1) / R, b0 + db);
+      int64_t n = 0;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R;
+        const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes);
+        if (df.scores) df.scores(qi, k, D, rows, s.data() + n, width);
+        else dense_scores_any(qi, k, D, rows, h, D, s.data() + n, width);
+        n += rows;
+      }
+      softmax_rows(s.data(), h, n, width, part.m, part.z);
+      std::fill(a, a + h * D, 0.f);
+      n = 0;
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R;
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + R * D;
+        if (df.values) df.values(s.data() + n, v, D, rows, tmp.data(), width);
+        else dense_values_any(s.data() + n, v, D, rows, h, D, tmp.data(), width);
+        for (int64_t e = 0; e < h * D; ++e) a[e] += tmp[e];
+        n += rows;
+      }
+    }
+  });
+  combine(first, h, D, mx, sm, acc, out.data_ptr<float>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
   m.def("dense_decode", &dense_decode, "decode attention over dense fp16 rows of many groups");
   m.def("quant_decode", &quant_decode, "decode attention over KIVI-quantized rows of many groups");
+  m.def("paged_decode", &paged_decode, "decode attention over the streams of a layer in the paged pool");
   m.def("append_tails", &append_tails, "new rows into many groups' fp16 tails (grown where full)");
 }

@@ -7,6 +7,10 @@ engine reserves before the job runs, and what a plan states as `predicted_kv_byt
     prefill_bytes    what the prefill holds at its peak: every layer's dense context, plus one
                      layer's compressed form built beside its dense copy when the plan compresses
 
+Layers the engine's pool holds (`kvcore.blocks.pooled_layers`) cost whole blocks of their form
+(`kvcore.blocks.Layout`): every KV head a stream of dense blocks, or of quant groups and a dense
+tail. The rest cost what their cache layers hold (`kvcore.cost`).
+
 Shapes are counts; one sequence."""
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import math
 import numpy as np
 
 from kvcore import cost
+from kvcore.blocks import Layout, pooled_layers
 from kvplan.plan import CompressionPlan, LayerPlan
 
 
@@ -23,9 +28,13 @@ def plan_bytes(plan: CompressionPlan, num_kv_heads: int, num_query_heads: int, h
     ctx_adds, after = cost.job_adds(context, suffix, new_tokens, chunk)
     lower = {lp.merge.with_layer for lp in plan.layers if lp.merge is not None}
     shape = (num_kv_heads, num_query_heads, head_dim, itemsize)
+    pooled = pooled_layers(plan, num_query_heads, num_kv_heads)
+    layout = Layout(head_dim, itemsize)
     total = 0
     for i, lp in enumerate(plan.layers):
-        if plan.offload.enabled and lp.kind == "full" and i not in lower:
+        if pooled[i]:
+            total += num_kv_heads * _pooled(lp, layout, kept_per_head(lp, context), after)
+        elif plan.offload.enabled and lp.kind == "full" and i not in lower:
             total += _offload(plan.offload, shape, context, after)
         elif i in lower:                      # holds only the rows its partner merges next, within a forward
             total += num_kv_heads * cost.dense_row_bytes(head_dim, itemsize) * max(after, default=0)
@@ -42,7 +51,22 @@ def plan_bytes(plan: CompressionPlan, num_kv_heads: int, num_query_heads: int, h
 def prefill_bytes(plan: CompressionPlan, num_kv_heads: int, head_dim: int, context: int, itemsize: int) -> int:
     compresses = plan.offload.enabled or any(lp.kind != "full" for lp in plan.layers)
     layers = len(plan.layers) + (1 if compresses else 0)
-    return layers * num_kv_heads * cost.dense_row_bytes(head_dim, itemsize) * context
+    layout = Layout(head_dim, itemsize)
+    per_head = max(cost.dense_row_bytes(head_dim, itemsize) * context, int(layout.dense_stream_bytes(context)))
+    return layers * num_kv_heads * per_head
+
+
+def _pooled(lp: LayerPlan, layout: Layout, kept: int, after: list[int]) -> int:
+    """Most bytes one KV head's stream of a pooled layer holds after its context: `kept` rows,
+    then `after` rows joining in turn (dense blocks, or quant groups and a dense tail)."""
+    if lp.quant is None:
+        return int(layout.dense_stream_bytes(kept + sum(after)))
+    q = lp.quant
+    worst = layout.quant_stream_held(kept, q.bits, q.residual)
+    if after:
+        before = kept + np.cumsum([0, *after[:-1]])
+        worst = max(worst, layout.quant_stream_bytes(before, np.asarray(after), q.bits, q.residual).max())
+    return int(worst)
 
 
 def kept_per_head(lp: LayerPlan, context: int) -> int:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcore.blocks import BLOCK_ROWS, Layout
+from kvcore.cost import dense_row_bytes
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
-from kvcore.cost import dense_row_bytes, quant_bytes
 from kvcore.statistics import POOL, QUANT_GROUP, SINKS, SPAN
 from planner.request import InvalidRequest, PlanInput
 from planner.strategy import Strategy
@@ -34,26 +35,19 @@ RESIDUAL = 32          # newest tokens a quant layer keeps in the storage dtype
 STORAGE_BYTES = 2
 
 
-def layer_bytes(tokens, bits: int, head_dim: int, itemsize: int = STORAGE_BYTES):
-    """Bytes one KV head holds for `tokens` stored tokens (a number or an array of them) at
-    `bits` (16: the storage dtype): a quant layer quantizes whole groups of QUANT_GROUP while at
-    least RESIDUAL newest tokens stay in the storage dtype (`kvcore.cost.quant_bytes`, the quant
-    layer's own rule), its tail's storage RESIDUAL + QUANT_GROUP - 1 rows."""
+def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray) -> np.ndarray:
+    """Most bytes one KV head holds at each step of the job (`planner.budget`), as the executor's
+    pool stores it (`kvcore.blocks`): its `kept` prompt tokens plus the rows added so far, in whole
+    dense blocks, or (a quant layer) in KIVI groups of QUANT_GROUP with at least RESIDUAL newest
+    rows dense — the new rows of a step sit in that dense tail until the step's end quantizes
+    whole groups of its oldest. added: [S + 1] rows added after each step (0 first) -> [S + 1]."""
+    lay = Layout(head_dim, STORAGE_BYTES)
+    kept = int(kept)
     if bits == 16:
-        return tokens * dense_row_bytes(head_dim, itemsize)
-    return quant_bytes(tokens, bits, QUANT_GROUP, RESIDUAL, head_dim, itemsize)
-
-
-def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray, held: np.ndarray,
-                   evicted: bool) -> np.ndarray:
-    """Most bytes one KV head holds at each step of the job (`planner.budget`): its `kept`
-    prompt tokens plus the rows added so far — a quant layer takes them into its tail and
-    quantizes whole groups as before, an fp16 layer (full or evicted) grows by `held` (its
-    stores grow ROW_CHUNK rows at a time: `kvcore.cost`).
-    added, held: [S + 1] rows added / held after each step (0 first) -> [S + 1] bytes."""
-    if bits != 16:
-        return layer_bytes(kept + added, bits, head_dim)
-    return (kept + held) * dense_row_bytes(head_dim, STORAGE_BYTES)
+        return lay.dense_stream_bytes(kept + added.astype(np.int64)).astype(np.float64)
+    added = added.astype(np.int64)
+    during = lay.quant_stream_bytes(kept + added[:-1], np.diff(added), bits, RESIDUAL)
+    return np.concatenate([[lay.quant_stream_held(kept, bits, RESIDUAL)], during]).astype(np.float64)
 
 
 def strategy(d):
@@ -65,7 +59,7 @@ def strategy(d):
 def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     m, hk, d = inp.model.num_layers, inp.model.num_kv_heads, inp.model.head_dim
     l, r = inp.prompt_tokens, inp.target_ratio
-    if l == 0 or fits_full(inp):
+    if l == 0 or fits_full(inp, BLOCK_ROWS):
         return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint, budget_met=True,
                          prompt_tokens=l)
     if inp.probe is None:
@@ -81,10 +75,10 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
     # The budget holds at every step of the job: at step j the cache may hold r·(l + a_j) dense
     # rows per head (kv_tokens N: N rows), so an option costs its bytes at its worst step less
     # what the rows added by then bring (summing each layer's worst step is an upper bound).
-    added, held = step_rows(inp)                                                             # [S + 1] each
+    added, _ = step_rows(inp)                                                                # [S + 1]
     row = dense_row_bytes(d, STORAGE_BYTES)
     rate, base = (r, r * l) if inp.reserve_ratio is not None else (0.0, float(inp.kv_tokens))
-    by_step = np.stack([hk * lifetime_bytes(kept[fi], int(lo.bits[bi]), d, added, held, kept[fi] < l)
+    by_step = np.stack([hk * lifetime_bytes(kept[fi], int(lo.bits[bi]), d, added)
                         for fi, bi in options])                                             # [O, S + 1]
     cost = np.array([(by_step - hk * rate * added * row).max(1)] * m)                       # [m, O]
     budget = m * hk * base * row

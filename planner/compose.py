@@ -41,6 +41,7 @@ from kvcore import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
+from kvcore.blocks import BLOCK_ROWS, QUANT_BITS, QUANT_GROUP
 from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, holds, row_cost
 from planner.definition import Definition
 from planner.request import InvalidRequest, PlanInput
@@ -67,9 +68,9 @@ class Composed:
 
     def plan(self, inp: PlanInput, plan_id: str) -> CompressionPlan:
         d, l, m = self.d, inp.prompt_tokens, inp.model.num_layers
-        if l == 0 or fits_full(inp) or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
+        if l == 0 or fits_full(inp, BLOCK_ROWS) or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
             return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint,
-                             budget_met=l == 0 or fits_full(inp), prompt_tokens=l)
+                             budget_met=l == 0 or fits_full(inp, BLOCK_ROWS), prompt_tokens=l)
         b = self.budgets(inp) if d.eviction else None
         pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}
         layers, held = [], []                                                                # held: [m] token units
@@ -86,7 +87,8 @@ class Composed:
             held.append(_held(layers[-1], l))
         offload = self._offload(inp)
         plain = [i for i, lp in enumerate(layers) if lp.kind == "full" and i not in pairs.values()] if offload.enabled else []
-        met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp, self.added_row_cost(inp))
+        met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp,
+                    self.added_row_cost(inp), self.block(inp))
         if offload.enabled:          # the part fitted to the budget (kvcore.offload_budget); plain layers hold that
             share = offload_budget.ratio(offload, l, 0, inp.model.head_dim)
             held = [l * share if i in plain else x for i, x in enumerate(held)]
@@ -111,13 +113,21 @@ class Composed:
 
     def budgets(self, inp: PlanInput) -> Budgets:
         e, l, m = self.d.eviction, inp.prompt_tokens, inp.model.num_layers
-        r = context_ratio(inp, self.added_row_cost(inp))      # the prompt's share once the added rows are paid
+        r = context_ratio(inp, self.added_row_cost(inp), self.block(inp))   # the prompt's share once added rows are paid
         budget = min(l, math.floor(r * l + 1e-9))             # kept tokens per stored head, layer average
         sinks = min(e.sink_tokens, budget)
         window = budget - sinks if e.window is None else e.window
         if self.d.allocation == "xkv":
             return _xkv(inp, r, sinks, window)
         return Budgets(ALLOCATIONS[self.d.allocation](r, l, sinks + window, m), sinks, window)
+
+    def block(self, inp: PlanInput) -> int:
+        """Rows of the blocks the executor's pool stores this strategy's layers in, or 0 where its
+        layers are cache layers of their own (`kvcore.blocks.pooled_layers`)."""
+        d, shape = self.d, inp.model
+        per_head = d.eviction is None or d.eviction.gqa_mode == "mean" or shape.num_query_heads == shape.num_kv_heads
+        quant = d.quant is None or (d.quant.bits in QUANT_BITS and d.quant.group_size == QUANT_GROUP)
+        return BLOCK_ROWS if per_head and quant and not (d.codebook or d.merge or d.offload) else 0
 
     def added_row_cost(self, inp: PlanInput) -> float:
         """What a row the job adds after its prompt costs against a dense row (`planner.budget`)."""

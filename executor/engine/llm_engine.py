@@ -23,7 +23,7 @@ from executor.engine.kv_budget import KVBudget, Usage
 from executor.engine.model_runner import ModelRunner
 from executor.engine.scheduler import Scheduler
 from executor.engine.sequence import Sampling, Sequence, Status, prefill_parts
-from executor.engine.shrink import Shrink, dense_plan, rebuild
+from executor.engine.shrink import Shrink, dense_plan
 from executor.prompt import Prompt
 from kvcore import offload_budget, plan_cost
 from kvcore.statistics import LayerStatistics
@@ -68,11 +68,17 @@ class LLMEngine:
     def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, budget: KVBudget, max_batched_tokens: int = 512,
                  max_seqs: int = 64, prefill_chunk: int = 512, prefetch_wait_s: float = 0.0):
         """prefill_chunk: prompt tokens per prefill part (at most max_batched_tokens);
-        prefetch_wait_s: how long an offload layer waits for a late prefetch (0: never)."""
+        prefetch_wait_s: how long an offload layer waits for a late prefetch (0: never). The KV
+        pool is allocated here from the budget (`KVPool`: blocks worth the whole budget, whatever
+        their forms); a budget larger than a CPU pool may take is lowered to it."""
         self.lm, self.storage_dtype, self.budget = lm, storage_dtype, budget
         self.chunk = min(prefill_chunk, max_batched_tokens)
         self.prefetch_wait_s = prefetch_wait_s
-        self.runner = ModelRunner(lm, storage_dtype)
+        self.runner = ModelRunner(lm, storage_dtype, budget.total, max_seqs)
+        if self.runner.pool.capacity < budget.total:
+            log.info("KV budget %d bytes: lowered to the %d bytes of blocks the pool holds", budget.total,
+                     self.runner.pool.capacity)
+            budget.total = self.runner.pool.capacity
         self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm))
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self.plans: queue.SimpleQueue[tuple] = queue.SimpleQueue()   # (PLANNING sequence, its plan, its store)
@@ -133,8 +139,7 @@ class LLMEngine:
             parts = prefill_parts(prompt, self.chunk, cache.max_window)
         done = 0
         if prefix is not None and prefix.parts and prefix.seeds(cache, [(p.start, p.start + len(p.ids)) for p in parts]):
-            for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
-                layer.seed(k, v, self.lm.model.dtype)   # never written in place: shared safely
+            cache.seed = prefix                     # written into its cache when it is admitted (`SeqCache.open`)
             parts, done = parts[len(prefix.parts):], prefix.tokens
         need = self.reservation(plan, prompt, sampling)
         self.budget.check_fits_at_all(need)
@@ -150,20 +155,18 @@ class LLMEngine:
         self.plans.put((seq, plan, store))
 
     def _apply_plan(self, seq: Sequence, plan: CompressionPlan, store) -> None:
-        """The dense context into a cache shaped by `plan`, compressed with the queries its last
-        chunk kept: the same cache the plan would have made compressing at that chunk."""
+        """The dense context rebuilt under `plan`, compressed with the queries its last chunk kept:
+        the same cache the plan would have made compressing at that chunk."""
         if seq.status is not Status.PLANNING:
             return                                       # ended meanwhile (cancelled, or done at its first token)
-        dense = seq.cache
         plan = self.fit(plan, seq.prompt, seq.sampling, None)
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
         if plan.offload.enabled and store is None:
             store, seq.own_store = LocalHandle(), True
-        cache = self.runner.new_cache(plan, store)
-        cache.state.wait_s = self.prefetch_wait_s
-        rebuild(dense, cache, dense.state.queries, self.runner.scaling, self.lm.model.dtype)   # the context only: nothing to append
-        seq.cache, seq.plan, seq.store = cache, plan, store
-        seq.queries = dense.state.queries if dense_plan(plan) else None     # a later shrink compresses with them
+        queries = seq.cache.state.queries
+        self.runner.rebuild(seq.cache, plan, store, queries, self.prefetch_wait_s)   # the context only: nothing to append
+        seq.plan, seq.store = plan, store
+        seq.queries = queries if dense_plan(plan) else None     # a later shrink compresses with them
         self.scheduler.planned(seq)
 
     # -- compress instead of preempt ------------------------------------------------------------
@@ -194,10 +197,8 @@ class LLMEngine:
             return
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
         before, reserved = seq.kv_bytes(), seq.reserved
-        cache = self.runner.new_cache(plan, None)
-        cache.state.wait_s = self.prefetch_wait_s
-        rebuild(seq.cache, cache, seq.queries, self.runner.scaling, self.lm.model.dtype)
-        seq.cache, seq.plan, seq.queries = cache, plan, None
+        self.runner.rebuild(seq.cache, plan, None, seq.queries, self.prefetch_wait_s)
+        seq.plan, seq.queries = plan, None
         self.scheduler.shrunk(seq)
         seq.shrinks.append(Shrink(plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved,
                                   seq.reserved))
@@ -230,8 +231,12 @@ class LLMEngine:
         for seq in finished:
             if seq.own_store:
                 seq.store.release()
-        self.usage = self.budget.observe(sum(seq.kv_bytes() for seq in self.scheduler.running))
+        self.usage = self.budget.observe(self.measured())
         return finished
+
+    def measured(self) -> int:
+        """Bytes the running sequences hold: the pool's blocks in use and their cache layers' tensors."""
+        return self.runner.pool.bytes_in_use + sum(seq.cache.own_bytes() for seq in self.scheduler.running)
 
     def run_all(self) -> list[Sequence]:
         """Step until every added sequence ended (benches, tests) -> them, in the order they ended."""

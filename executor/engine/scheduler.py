@@ -64,6 +64,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_seqs and self.budget.can_reserve(self.waiting[0].reserved):
             seq = self.waiting.popleft()
             self.budget.reserve(seq.seq_id, seq.reserved)
+            seq.cache.open()                               # its slot in the block tables
             seq.status, seq.t_admitted = Status.PREFILL, time.perf_counter()
             self.running.append(seq)
         segments, rows, prefills = [], 0, 0
@@ -87,6 +88,7 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.cancelled()]:
             self.waiting.remove(seq)
             seq.finish("cancelled")
+            seq.cache.close()
             self.finished.append(seq)
         for seq in [s for s in self.running if s.cancelled()]:
             self.abort(seq, "cancelled")
@@ -168,6 +170,7 @@ class Scheduler:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         seq.finish(reason)
+        seq.cache.close()                                  # its blocks back to the pool
         self.budget.release(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)

@@ -1,5 +1,6 @@
 """One job's state in the engine: its prompt split into prefill parts, its sampling, its plan and
-the `PlannedCache` shaped by it (each sequence keeps its own per-layer layout), its cachestore
+the `SeqCache` shaped by it (a slot in the pool's block tables; cache layers where the pool holds
+no such form), its cachestore
 handle, where it is (position, phase), what it generated, its incremental detokenizer and
 SpeCache's speculative guess.
 
@@ -17,7 +18,7 @@ from typing import Callable
 
 from tokenizers.decoders import DecodeStream
 
-from executor.cache import PlannedCache
+from executor.engine.seq_cache import SeqCache
 from executor.engine.sampler import generator
 from executor.prompt import Prompt
 from kvplan.plan import CompressionPlan
@@ -81,7 +82,7 @@ class Sequence:
     prompt: Prompt
     plan: CompressionPlan
     sampling: Sampling
-    cache: PlannedCache
+    cache: SeqCache
     parts: list[Part]                                  # prefill parts not yet run, in order
     tokenizer: object                                  # a transformers fast tokenizer
     emit: Callable[[str, object], None] = lambda kind, x: None    # ("progress", (done, total)) | ("delta", (text, ids))

@@ -4,23 +4,16 @@ steps, so that jobs waiting for room can be admitted while it goes on decoding.
 A job planned at 1.0 (its plan all `full`: memory was free when it started) keeps its context's
 last queries (`Sequence.queries`, kept by its statistics pass). When others wait, the planner plans
 it again from the same statistics at the ratio the load calls for, and the new cache is what that
-plan would have built at the context's end, followed by the same rows since:
-
-    each layer  seed(dense context rows [0, C))    the context only: windows, keep counts and
-                compress(the context's last queries)  sinks are the context's, as planned
-                update(dense rows [C, T))          the question and the generated rows fed so
-                                                   far join it as any later row does
-
-so no compression code sees generated rows as context. The text so far is what it is; the tokens
-after the shrink come from the new cache. Plans that offload are not shrunk to: an offload layer
-stores its later rows in its attention, not in `update`."""
+plan would have built at the context's end, followed by the same rows since
+(`SeqCache.rebuild`): the context's rows compressed with those queries, the question and the
+generated rows fed so far joining as any later row does, so no compression code sees generated
+rows as context. The text so far is what it is; the tokens after the shrink come from the new
+cache. Plans that offload are not shrunk to: an offload layer stores its later rows in its
+attention, not in `update`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from executor.cache import PlannedCache
 from kvplan.plan import CompressionPlan
 
 
@@ -38,20 +31,3 @@ class Shrink:
 def dense_plan(plan: CompressionPlan) -> bool:
     """Whether a plan's cache holds every layer's dense K/V: `full` layers only, no offload."""
     return not plan.offload.enabled and all(lp.kind == "full" for lp in plan.layers)
-
-
-def rebuild(old: PlannedCache, new: PlannedCache, queries: list[torch.Tensor], scaling: float,
-            dtype: torch.dtype) -> None:
-    """Fill `new` (an empty cache of the lower plan) from the dense cache `old`: each layer's K/V
-    [1, H_kv, T, D] (storage dtype; T = context C + rows fed since) -> the context's rows seeded
-    and compressed with queries [m] of [H, W, D] (the context's last, kept by its statistics
-    pass), then the rows [C, T) appended. `dtype`: the model's compute dtype."""
-    c = old.state.context_tokens
-    new.state.context_tokens = c
-    for layer, o in zip(new.layers, old.layers):
-        layer.seed(o.keys[..., :c, :], o.values[..., :c, :], dtype)
-    with torch.inference_mode():
-        new.compress(queries, scaling)
-        for layer, o in zip(new.layers, old.layers):          # in layer order: a merged pair's lower one first
-            if o.keys.shape[-2] > c:
-                layer.update(o.keys[..., c:, :].to(dtype), o.values[..., c:, :].to(dtype))

@@ -158,6 +158,7 @@ def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_se
     from executor.prompt import Prompt
     from executor.runner import Runner
     from kvplan.plan import full_plan
+    from tests.executor.test_layers import _pooled_heads
 
     calls = []
     real = kvcrush.select
@@ -182,8 +183,15 @@ def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_se
     hq, hk = tiny_model.num_query_heads, tiny_model.num_kv_heads
     heads = hq if gqa == "repeat" else hk
     n_rep = round(0.25 * keep)
-    for layer, dense, lb, (scores, got) in zip(cache.layers, full.layers, cache.layer_bytes(), calls):
-        assert layer.compressed and layer.prompt_rows == sinks + keep + window
+    for i, (lb, (scores, got)) in enumerate(zip(cache.layer_bytes(), calls)):
+        if gqa == "mean":                                       # per KV head: the engine's pool
+            assert cache.pooled[i]
+            k_heads, _ = _pooled_heads(cache, i)                                          # [H_kv, n, D]
+        else:                                                   # per query head: a cache layer of its own
+            layer = cache.layers[i]
+            assert layer.compressed and layer.prompt_rows == sinks + keep + window
+            k_heads, _ = layer._heads(torch.float32)                                      # [H, n, D]
+            assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
         assert got.rows.shape == (heads, sinks + keep + window) and got.reps.numel() == n_rep
         base = scores[:, sinks:90 - window].topk(keep - n_rep, dim=-1).indices + sinks   # [heads, B_imp]
         fixed = set(range(sinks)) | set(range(90 - window, 90))
@@ -193,16 +201,14 @@ def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_se
             assert set(row) == fixed | set(base[h].tolist()) | set(got.reps.tolist())
         assert not (set(got.reps.tolist()) & set(base.flatten().tolist()))               # outside every head's picks
         # the layer really stores those tokens' full rows
-        k_heads, _ = layer._heads(torch.float32)                                          # [heads, n, D]
-        k_full = dense.keys[0].float()                                                    # [H_kv, T, D]
+        k_full = full.dense(i)[0][0].float()                                              # [H_kv, T, D]
         for h in range(heads):
             g = h // (heads // hk)
             match = (k_heads[h][:, None, :] == k_full[g][None]).all(-1)                   # [n, T]
             assert match.any(1).all()
             assert sorted(match.float().argmax(1).tolist()) == got.rows[h].tolist()
-        assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
-        if gqa == "mean":
-            assert lb.kv_bytes == hk * (sinks + keep + window) * 2 * 16 * 2
+        if gqa == "mean":                                       # 30 rows: two blocks of 16
+            assert lb.kv_bytes == hk * 32 * 2 * 16 * 2
 
 
 def test_kvcrush_layer_selection_is_deterministic(tiny_model):

@@ -1,7 +1,9 @@
-"""Compressed cache layers on a tiny random GQA model (4 query heads, 2 KV heads, D = 16):
-kept rows equal the full-precision rows, attention over them equals dense attention on the
-kept tokens, codebook reconstruction stays within θ with exact magnitudes and re-applies RoPE,
-and the bytes reported are the bytes held."""
+"""Compressed layers on a tiny random GQA model (4 query heads, 2 KV heads, D = 16): kept rows
+equal the full-precision rows, attention over them equals dense attention on the kept tokens —
+per KV head in the engine's pool (GQA `mean`: the rows through the block tables, attention
+through the paged kernel), per query head in a cache layer of its own (`repeat`) — codebook
+reconstruction stays within θ with exact magnitudes and re-applies RoPE, and the bytes reported
+are the bytes held."""
 import dataclasses
 
 import pytest
@@ -30,7 +32,23 @@ def _prefill(lm, plan, context=CONTEXT):
 def _dense_kv(lm, context=CONTEXT):
     """Post-RoPE K and V of every layer from a full-KV run, fp16 storage: [H_kv, T, D] each."""
     _, cache = _prefill(lm, full_plan(lm.num_layers, "f"), context)
-    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
+    return [tuple(x[0].float() for x in cache.dense(i)) for i in range(lm.num_layers)]
+
+
+def _pooled_heads(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled layer's rows per KV head, through its block tables -> K, V [H_kv, n, D] fp32."""
+    rows = [cache.tables.stream(layer, cache.slot, g) for g in range(cache.tables.H)]
+    return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])
+
+
+def _pooled_attend(cache, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A decode query q [H, D] over a pooled layer's streams, by the paged kernel -> [H, D]."""
+    from kernels.paged_decode import paged_decode
+    st = cache.tables.decode_view([cache.slot], torch.device("cpu"))
+    hk = cache.tables.H
+    return paged_decode(q.view(hk, -1, q.shape[-1]), cache.tables.pool.arena, st.dtable[layer], st.dstart[layer],
+                        st.dend[layer], st.qtable[layer], st.qn[layer], st.qbits[layer], cache.tables.layout,
+                        scaling).view(q.shape)
 
 
 @pytest.mark.parametrize("gqa", ["mean", "repeat"])
@@ -40,12 +58,17 @@ def test_evicted_rows_are_the_full_rows_and_attention_matches_dense_on_them(tiny
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
     dense = _dense_kv(tiny_model)
     hq, hk = tiny_model.num_query_heads, tiny_model.num_kv_heads
-    for layer, (k_full, v_full) in zip(cache.layers, dense):
-        assert layer.compressed and layer.keys is None                    # the dense copy is gone
-        k_heads, v_heads = layer._heads(torch.float32)                  # [H_e, n, D]
+    for i, (k_full, v_full) in enumerate(dense):
+        if gqa == "mean":                                                 # per KV head: in the pool
+            assert cache.pooled[i]
+            k_heads, v_heads = _pooled_heads(cache, i)                   # [H_kv, n, D]
+        else:                                                             # per query head: its own layer
+            layer = cache.layers[i]
+            assert layer.compressed and layer.keys is None                # the dense copy is gone
+            k_heads, v_heads = layer._heads(torch.float32)               # [H, n, D]
         heads = hq if gqa == "repeat" else hk
         want_n = 2 + (20 if scorer != "streaming_llm" else 0) + 8
-        assert k_heads.shape == (heads, want_n, 16) and layer.prompt_rows == want_n
+        assert k_heads.shape == (heads, want_n, 16)
         # every stored row is the full-precision row of some kept token of its KV head
         for h in range(heads):
             g = h // (heads // hk)
@@ -55,21 +78,57 @@ def test_evicted_rows_are_the_full_rows_and_attention_matches_dense_on_them(tiny
             assert torch.equal(v_heads[h], v_full[g][rows])
             assert set(range(82, 90)) <= set(rows.tolist()) and {0, 1} <= set(rows.tolist())
         # a decode query: attention equals dense attention over exactly the kept rows
-        q = torch.randn(1, hq, 1, 16)
-        got = layer.attend(q, None, None, 0.25)[0, 0]                     # [H, D]
+        q = torch.randn(hq, 16)
+        got = _pooled_attend(cache, i, q, 0.25) if gqa == "mean" else layer.attend(q[None, :, None], None, None, 0.25)[0, 0]
         for h in range(hq):
             e = h if heads == hq else h // (hq // hk)
-            p = torch.softmax((q[0, h, 0] @ k_heads[e].T) * 0.25, -1)
+            p = torch.softmax((q[h] @ k_heads[e].T) * 0.25, -1)
             torch.testing.assert_close(got[h], p @ v_heads[e], rtol=1e-5, atol=1e-5)
+    cache.close()
 
 
-@pytest.mark.parametrize("gqa", ["mean", "repeat"])
-def test_decode_appends_in_place_and_attention_still_matches_dense(tiny_model, gqa):
-    """40 decode steps — past the stores' and masks' growth chunks — each appended in place: the
-    rows are the appended ones, attention equals dense attention over each head's kept + new
-    rows, and the spare capacity (counted in the bytes) stays under one chunk per group."""
+def test_decode_rows_join_a_pooled_layers_kept_rows_in_whole_blocks(tiny_model):
+    """40 decode rows after eviction (GQA mean, in the pool), written as the engine writes them:
+    the stream holds the kept rows then the new ones, attention equals dense attention over them,
+    and the blocks it holds (its bytes) are the rows rounded up to whole blocks."""
+    from kvcore.blocks import BLOCK_ROWS
+    ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer="snapkv", gqa_mode="mean", pool_kernel=3)
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
+    hq, hk, d = tiny_model.num_query_heads, tiny_model.num_kv_heads, 16
+    tables, gen = cache.tables, torch.Generator().manual_seed(0)
+    kept_k, _ = _pooled_heads(cache, 0)                                   # [H_kv, 30, D]
+    new_k = []
+    for step in range(40):
+        k, v = torch.randn(1, hk, d, generator=gen), torch.randn(1, hk, d, generator=gen)
+        w = tables.extend([cache.slot], [1])
+        for layer in range(tiny_model.num_layers):
+            tables.write(w, layer, k, v)
+        new_k.append(k[0])
+        if step % 13 == 12 or step == 39:
+            k_heads, v_heads = _pooled_heads(cache, 0)                    # [H_kv, 30 + t, D]
+            assert k_heads.shape[1] == 30 + step + 1
+            q = torch.randn(hq, d, generator=gen)
+            got = _pooled_attend(cache, 0, q, 0.25)
+            for h in range(hq):
+                e = h // (hq // hk)
+                p = torch.softmax((q[h] @ k_heads[e].T) * 0.25, -1)
+                torch.testing.assert_close(got[h], p @ v_heads[e], rtol=1e-5, atol=1e-5)
+    k_heads, _ = _pooled_heads(cache, 0)
+    assert torch.equal(k_heads[:, :30], kept_k)
+    assert torch.equal(k_heads[:, 30:], torch.stack(new_k, 1).half().float())
+    lb = cache.layer_bytes()[0]
+    assert lb.kind == "evicted" and lb.kept_tokens == 70
+    assert lb.kv_bytes == hk * -(-70 // BLOCK_ROWS) * BLOCK_ROWS * 2 * d * 2
+    cache.close()
+
+
+def test_decode_appends_in_place_and_attention_still_matches_dense_per_query_head(tiny_model):
+    """40 decode steps in a GQA `repeat` layer (a cache layer of its own) — past the stores' and
+    masks' growth chunks — each appended in place: the rows are the appended ones, attention
+    equals dense attention over each head's kept + new rows, and the spare capacity (counted in
+    the bytes) stays under one chunk per group."""
     from executor.layers.groups import ROW_CHUNK
-    ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer="snapkv", gqa_mode=gqa, pool_kernel=3)
+    ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer="snapkv", gqa_mode="repeat", pool_kernel=3)
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
     hq, hk, d = tiny_model.num_query_heads, tiny_model.num_kv_heads, 16
     layer, gen = cache.layers[0], torch.Generator().manual_seed(0)
@@ -92,10 +151,9 @@ def test_decode_appends_in_place_and_attention_still_matches_dense(tiny_model, g
         want = torch.cat([x[0, g] for x in new_k]).half()                  # [40, D]
         assert torch.equal(group.k[base[g]:], want) and group.num_tokens == base[g] + 40
         assert group._k.shape[0] - group.num_tokens < ROW_CHUNK
-    if gqa == "repeat":
-        assert all(m.shape[1] - g.num_tokens < ROW_CHUNK and m[:, base[i]:g.num_tokens].all()
-                   and m.shape[1] == g._k.shape[0]                      # the mask grows with the rows
-                   for i, (m, g) in enumerate(zip(layer.masks, layer.groups)))
+    assert all(m.shape[1] - g.num_tokens < ROW_CHUNK and m[:, base[i]:g.num_tokens].all()
+               and m.shape[1] == g._k.shape[0]                          # the mask grows with the rows
+               for i, (m, g) in enumerate(zip(layer.masks, layer.groups)))
     lb = cache.layer_bytes()[0]
     assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
 

@@ -1,8 +1,10 @@
-"""Quantized cache layers (KIVI) on a tiny random GQA model (4 query heads, 2 KV heads, D = 16):
-the bytes reported are the bytes held and shrink by the expected factor, dequantized rows are
-within half a quantization step of the full-precision rows, 8-bit attention is close to dense
-attention, decode keeps the full-precision tail short and quantizes whole groups, and under
-eviction the layer keeps exactly the rows an evicted layer keeps."""
+"""Quantized layers (KIVI) on a tiny random GQA model (4 query heads, 2 KV heads, D = 16), in
+the engine's pool (groups of 32 at 2/4/8 bits: quant blocks and a dense tail) and in cache layers
+of their own (`QuantGroup`: other group sizes, per-query-head eviction): the bytes reported are
+the blocks (or tensors) held and shrink by the expected factor, dequantized rows are within half
+a quantization step of the full-precision rows, 8-bit attention is close to dense attention,
+decode keeps the full-precision tail short and quantizes whole groups, and under eviction the
+layer keeps exactly the rows an evicted layer keeps."""
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ from executor.layers.quant import QuantGroup, QuantLayer, value_group
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
 from kvplan.plan import Codebook, Eviction, LayerPlan, Quant
-from tests.executor.test_layers import CONTEXT, QUESTION, _dense_kv, _plan, _prefill
+from kvcore.blocks import Layout
+from tests.executor.test_layers import CONTEXT, QUESTION, _dense_kv, _plan, _pooled_attend, _pooled_heads, _prefill
 
 D = 16
 
@@ -37,47 +40,62 @@ def _quant_bytes(q_tokens: int, tail: int, bits: int, g: int) -> int:
     return k + v + tail * 2 * D * 2
 
 
+def _pooled_bound(k_full: torch.Tensor, v_full: torch.Tensor, n: int, bits: int, g: int = 32):
+    """Per-element error bound of a pooled stream's first n·g rows quantized from k_full, v_full
+    [U, D] (fp16 rows): half a step of each group's range (K per channel over g tokens, V per
+    token over g_v channels), plus the fp16 rounding of its min and scale."""
+    gv = value_group(g, D)
+    k = k_full[:n * g].view(n, g, D)
+    k_step = (k.amax(1) - k.amin(1)) / (2 ** bits - 1)                                            # [n, D]
+    kb = (k_step / 2 + k.abs().amax(1) * 2 ** -10 + 1e-6)[:, None, :].expand(n, g, D).reshape(n * g, D)
+    v = v_full[:n * g].view(n * g, D // gv, gv)
+    v_step = (v.amax(2) - v.amin(2)) / (2 ** bits - 1)                                            # [n·g, D/g_v]
+    vb = (v_step / 2 + v.abs().amax(2) * 2 ** -10 + 1e-6).repeat_interleave(gv, dim=1)
+    return kb, vb
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_bytes_held_are_the_tensors_and_shrink_by_the_expected_factor(tiny_model, bits):
+def test_bytes_held_are_the_blocks_and_shrink_by_the_expected_factor(tiny_model, bits):
     quant = Quant(bits=bits, group_size=32, residual=0)
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, quant=quant))
-    hk = tiny_model.num_kv_heads
-    for lb, layer in zip(cache.layer_bytes(), cache.layers):
-        assert lb.kind == "quant" and layer.compressed and layer.keys is None        # dense copy gone
-        assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
-        assert all(g.quantized_tokens == 64 and g.k_tail.shape[0] == 26 for g in layer.groups)   # 90 = 2·32 + 26
-        # the tail's storage: its 26 rows rounded up to a chunk of 8, at most residual + g - 1 = 31 rows
-        assert lb.kv_bytes == hk * _quant_bytes(64, 31, bits, 32)
+    hk, lay = tiny_model.num_kv_heads, Layout(D)
+    for i, lb in enumerate(cache.layer_bytes()):
+        assert lb.kind == "quant" and cache.pooled[i]
+        assert cache.tables.qn[i, cache.slot].tolist() == [2] * hk              # 90 = 2·32 + 26
+        assert (cache.tables.dend - cache.tables.dstart)[i, cache.slot].tolist() == [26] * hk
+        # two quant blocks, and the tail's 26 rows (rows 64..89) in two dense blocks of 16
+        assert lb.kv_bytes == hk * (2 * lay.quant_bytes(bits) + 2 * lay.dense_bytes)
         assert lb.full_kv_bytes == 2 * 90 * hk * D * 2 and lb.kept_tokens == 90
         # the quantized part against fp16: bits/16 + one K scale/zero pair per 32 tokens + one V pair per 16 channels
-        quantized = lb.kv_bytes - hk * 31 * 2 * D * 2
-        assert quantized / (hk * 64 * 2 * D * 2) == pytest.approx(bits / 16 + 1 / 32 + 1 / 16)
-        assert lb.kv_bytes < lb.full_kv_bytes * (bits / 16 + 1 / 32 + 1 / 16 + 31 / 90)
+        assert lay.quant_bytes(bits) / (32 * 2 * D * 2) == pytest.approx(bits / 16 + 1 / 32 + 1 / 16)
+    cache.close()
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_materialized_rows_are_within_half_a_step_of_the_full_rows(tiny_model, bits):
+def test_dequantized_rows_are_within_half_a_step_of_the_full_rows(tiny_model, bits):
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, quant=Quant(bits=bits, group_size=32, residual=16)))
-    for layer, (k_full, v_full) in zip(cache.layers, _dense_kv(tiny_model)):
-        for g, group in enumerate(layer.groups):
-            assert group.quantized_tokens == 64 and group.k_tail.shape[0] == 26            # (90 - 16) // 32 groups
-            k, v = group.materialize(torch.float32)                                      # [90, D]
-            kb, vb = _bound(group)
-            assert ((k - k_full[g]).abs() <= kb).all() and ((v - v_full[g]).abs() <= vb).all()
-            assert torch.equal(k[64:], k_full[g][64:]) and torch.equal(v[64:], v_full[g][64:])   # the tail is exact
+    for i, (k_full, v_full) in enumerate(_dense_kv(tiny_model)):
+        ks, vs = _pooled_heads(cache, i)                                                  # [H_kv, 90, D]
+        for g in range(tiny_model.num_kv_heads):
+            assert int(cache.tables.qn[i, cache.slot, g]) == 2                            # (90 - 16) // 32 groups
+            kb, vb = _pooled_bound(k_full[g], v_full[g], 2, bits)
+            assert ((ks[g, :64] - k_full[g, :64]).abs() <= kb).all() and ((vs[g, :64] - v_full[g, :64]).abs() <= vb).all()
+            assert torch.equal(ks[g, 64:], k_full[g][64:]) and torch.equal(vs[g, 64:], v_full[g][64:])   # the tail is exact
             if bits == 2:
-                assert (k - k_full[g]).abs().max() > 0                                   # really quantized
+                assert (ks[g] - k_full[g]).abs().max() > 0                                 # really quantized
+    cache.close()
 
 
 def test_eight_bit_attention_is_close_to_dense_attention(tiny_model):
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, quant=Quant(bits=8, group_size=32, residual=0)))
     hq = tiny_model.num_query_heads
-    q = torch.randn(1, hq, 3, D, generator=torch.Generator().manual_seed(1))
-    for layer, (k_full, v_full) in zip(cache.layers, _dense_kv(tiny_model)):
-        got = layer.attend(q[:, :, -1:], None, None, 0.25)[0, 0]                          # [H, D] decode query
-        want = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], k_full[None], v_full[None], scale=0.25,
+    q = torch.randn(1, hq, 1, D, generator=torch.Generator().manual_seed(1))
+    for i, (k_full, v_full) in enumerate(_dense_kv(tiny_model)):
+        got = _pooled_attend(cache, i, q[0, :, 0], 0.25)                                   # [H, D] decode query
+        want = torch.nn.functional.scaled_dot_product_attention(q, k_full[None], v_full[None], scale=0.25,
                                                                 enable_gqa=True)[0, :, 0]   # [H, D]
         assert ((got - want).norm() / want.norm()).item() < 1e-2
+    cache.close()
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -108,49 +126,54 @@ def test_eight_bit_quant_decodes_like_the_full_cache(tiny_model):
     plan = _plan(tiny_model.num_layers, quant=Quant(bits=8, group_size=32, residual=0))
     run = Runner(tiny_model, torch.float16).run(prompt, plan, Sampling(8))
     assert run.token_ids == full.token_ids
-    tokens = len(CONTEXT) + len(QUESTION) + 7
+    tokens, lay = len(CONTEXT) + len(QUESTION) + 7, Layout(D)
     for lb in run.layers:
         assert lb.kind == "quant" and lb.kept_tokens == tokens
-        # whole groups of 32 quantized; the tail's rows rounded up to a chunk of 8 (at most 31) in storage
-        held = min(-(-(tokens % 32) // 8) * 8, 31)
-        assert lb.kv_bytes == tiny_model.num_kv_heads * _quant_bytes(tokens // 32 * 32, held, 8, 32) < lb.full_kv_bytes
+        # whole groups of 32 quantized (3 blocks); the tail's 7 rows in one dense block
+        assert lb.kv_bytes == tiny_model.num_kv_heads * (3 * lay.quant_bytes(8) + lay.dense_bytes) < lb.full_kv_bytes
 
 
 @pytest.mark.parametrize("residual", [0, 16])
 def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, residual, monkeypatch):
-    """Tokens added after compression go to the fp16 tail; whenever it reaches residual + g the
-    oldest g are quantized, and they stay within half a step of the rows the model handed over."""
-    g = 32
+    """Tokens added after compression go to the fp16 tail; whenever a step takes it to residual + g
+    the oldest g are quantized, and they stay within half a step of the rows the model handed over."""
+    g, lay = 32, Layout(D)
     plan = _plan(tiny_model.num_layers, quant=Quant(bits=4, group_size=g, residual=residual))
     runner, cache = _prefill(tiny_model, plan)
-    handed: dict[int, list[torch.Tensor]] = {}                      # id(group) -> [(k, v) [T_new, D]]
-    update = QuantLayer.update
+    full = _dense_kv(tiny_model)
+    tables = cache.tables
+    handed: dict[int, list[torch.Tensor]] = {}                      # layer -> [(k, v) [1, H_kv, D]]
+    write = type(tables).write
 
-    def recording(self, key_states, value_states, *args, **kwargs):
-        for g, group in enumerate(self.groups):                     # what each group is handed (in place or not)
-            handed.setdefault(id(group), []).append((key_states[0, g].clone(), value_states[0, g].clone()))
-        return update(self, key_states, value_states, *args, **kwargs)
-    monkeypatch.setattr(QuantLayer, "update", recording)
+    def recording(self, w, layer, k, v):
+        handed.setdefault(layer, []).append((k.clone(), v.clone()))
+        return write(self, w, layer, k, v)
+    monkeypatch.setattr(type(tables), "write", recording)
     pos = len(CONTEXT)
     with torch.inference_mode():
         for tok in range(7, 77):                                    # 70 decode steps
             runner.forward([tok], pos, cache, "after")
             pos += 1
-            for layer, lb in zip(cache.layers, cache.layer_bytes()):
-                assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
-                for group in layer.groups:
-                    tail = group.k_tail.shape[0]
-                    assert min(residual, pos) <= tail < residual + g and group.v_tail.shape[0] == tail
-                    assert group.quantized_tokens % g == 0 and group.num_tokens == pos
-    for layer in cache.layers:
-        for group in layer.groups:
-            assert group.quantized_tokens == (pos - residual) // g * g
-            k_new = torch.cat([k for k, _ in handed[id(group)]]).half().float()          # [70, D] as stored
-            v_new = torch.cat([v for _, v in handed[id(group)]]).half().float()
-            k, v = group.materialize(torch.float32)
-            kb, vb = _bound(group)
-            assert ((k[90:] - k_new).abs() <= kb[90:]).all() and ((v[90:] - v_new).abs() <= vb[90:]).all()
-            assert (kb[90:group.quantized_tokens] > 0).all()                            # decode rows were quantized
+            n = tables.qn[:, cache.slot]                            # [L, H_kv] groups
+            tail = (tables.dend - tables.dstart)[:, cache.slot]
+            assert ((min(residual, pos) <= tail) & (tail < residual + g)).all() and (n * g + tail == pos).all()
+            for i, lb in enumerate(cache.layer_bytes()):
+                held = int(n[i].sum()) * lay.quant_bytes(4) + int(sum(-(-int(e) // 16) - int(b) // 16 for b, e in
+                          zip(tables.dstart[i, cache.slot], tables.dend[i, cache.slot]))) * lay.dense_bytes
+                assert lb.kv_bytes == held
+    for i in range(tiny_model.num_layers):
+        ks, vs = _pooled_heads(cache, i)                            # [H_kv, 160, D]
+        k_new = torch.cat([k for k, _ in handed[i]]).transpose(0, 1).half().float()     # [H_kv, 70, D] as stored
+        v_new = torch.cat([v for _, v in handed[i]]).transpose(0, 1).half().float()
+        for h in range(tiny_model.num_kv_heads):
+            n = int(tables.qn[i, cache.slot, h])
+            assert n == (pos - residual) // g
+            k_all, v_all = torch.cat([full[i][0][h], k_new[h]]), torch.cat([full[i][1][h], v_new[h]])
+            kb, vb = _pooled_bound(k_all, v_all, n, 4)
+            assert ((ks[h, :n * g] - k_all[:n * g]).abs() <= kb).all() and ((vs[h, :n * g] - v_all[:n * g]).abs() <= vb).all()
+            assert torch.equal(ks[h, n * g:], k_all[n * g:])       # the tail exact
+            assert n * g > 90                                       # decode rows were quantized
+    cache.close()
 
 
 def test_decode_appends_are_quantized_within_half_a_step(tiny_model):
@@ -173,18 +196,36 @@ def test_decode_appends_are_quantized_within_half_a_step(tiny_model):
     assert sum(t.nbytes for t in group.tensors()) == _quant_bytes(128, 16, 2, g)    # 12 tail rows in storage of 16
 
 
-@pytest.mark.parametrize("gqa", ["mean", "repeat"])
-def test_quant_under_eviction_keeps_the_evicted_layers_rows(tiny_model, gqa):
-    ev = Eviction(keep_tokens=40, window=8, sink_tokens=2, scorer="snapkv", gqa_mode=gqa, pool_kernel=3)
+def test_quant_under_eviction_keeps_the_evicted_layers_rows_in_the_pool(tiny_model):
+    ev = Eviction(keep_tokens=40, window=8, sink_tokens=2, scorer="snapkv", gqa_mode="mean", pool_kernel=3)
+    _, evicted = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
+    _, quant = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev, quant=Quant(bits=4, group_size=32,
+                                                                                          residual=0)))
+    lay = Layout(D)
+    for i, (lb_e, lb_q) in enumerate(zip(evicted.layer_bytes(), quant.layer_bytes())):
+        assert lb_q.kind == "quant" and lb_q.kept_tokens == lb_e.kept_tokens == 50
+        ke, ve = _pooled_heads(evicted, i)                                                # [H_kv, 50, D]
+        kq, vq = _pooled_heads(quant, i)
+        for h in range(tiny_model.num_kv_heads):
+            kb, vb = _pooled_bound(ke[h], ve[h], 1, 4)                                     # 50 = 32 + 18
+            assert ((kq[h, :32] - ke[h, :32]).abs() <= kb).all() and ((vq[h, :32] - ve[h, :32]).abs() <= vb).all()
+            assert torch.equal(kq[h, 32:], ke[h, 32:])
+        # each KV head: one quant block, its 18 tail rows (32..49) in two dense blocks
+        assert lb_q.kv_bytes == tiny_model.num_kv_heads * (lay.quant_bytes(4) + 2 * lay.dense_bytes)
+    evicted.close()
+    quant.close()
+
+
+def test_quant_under_per_query_head_eviction_keeps_the_evicted_layers_rows(tiny_model):
+    """GQA `repeat`: a cache layer of its own (`QuantGroup` under `EvictedLayer`'s masks)."""
+    ev = Eviction(keep_tokens=40, window=8, sink_tokens=2, scorer="snapkv", gqa_mode="repeat", pool_kernel=3)
     _, evicted = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev))
     _, quant = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev, quant=Quant(bits=4, group_size=32,
                                                                                           residual=0)))
     for e, q, lb_e, lb_q in zip(evicted.layers, quant.layers, evicted.layer_bytes(), quant.layer_bytes()):
         assert lb_q.kind == "quant" and lb_q.kept_tokens == lb_e.kept_tokens == 50
         assert q.prompt_counts == e.prompt_counts and q.prompt_rows == e.prompt_rows
-        assert (q.head_rows is None) == (e.head_rows is None) == (gqa == "mean")
-        if q.head_rows is not None:
-            assert torch.equal(q.head_rows, e.head_rows)
+        assert torch.equal(q.head_rows, e.head_rows)
         for ge, gq in zip(e.groups, q.groups):
             assert gq.num_tokens == ge.num_tokens and gq.quantized_tokens == ge.num_tokens // 32 * 32
             ke, ve = ge.materialize(torch.float32)
@@ -194,8 +235,7 @@ def test_quant_under_eviction_keeps_the_evicted_layers_rows(tiny_model, gqa):
         assert lb_q.kv_bytes == sum(t.nbytes for t in q.tensors())
         # each group: its quantized rows at 4 bits (+ scales), its tail rounded up to 8 rows of storage
         assert lb_q.kv_bytes == sum(_quant_bytes(g.quantized_tokens, min(-(-g.r // 8) * 8, 31), 4, 32)
-                                    for g in q.groups) + \
-            sum(m.nbytes for m in q.masks or [])
+                                    for g in q.groups) + sum(m.nbytes for m in q.masks)
 
 
 def test_plans_the_quant_layer_cannot_run_are_refused(tiny_model):

@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from kvcore import cost
+from kvcore.blocks import BLOCK_ROWS
 from kvplan.client import ExecutorClient, PlannerClient, request
 from kvplan.embedded import Embedded
 from planner import strategies
@@ -44,9 +44,9 @@ def test_generate_answers_with_full_kv_and_real_bytes(client, real_model):
     tokens = r.prompt_tokens + r.generated_tokens - (r.finish_reason == "length")
     row = real_model.num_kv_heads * real_model.head_dim * 2  # fp16
     assert r.full_kv_bytes == 2 * real_model.num_layers * tokens * row
-    # the prompt's rows exactly, then decode rows in stores grown ROW_CHUNK at a time (spare rows held)
-    held = r.prompt_tokens + max(cost.held_after([1] * (tokens - r.prompt_tokens)), default=0)
-    assert r.kv_bytes == 2 * real_model.num_layers * held * row and held - tokens < cost.ROW_CHUNK
+    # every row in whole pool blocks of BLOCK_ROWS (the last one's spare rows held)
+    held = -(-tokens // BLOCK_ROWS) * BLOCK_ROWS
+    assert r.kv_bytes == 2 * real_model.num_layers * held * row and held - tokens < BLOCK_ROWS
     assert r.reserve_ratio == r.kv_bytes / r.full_kv_bytes and r.storage_dtype == "float16"
     assert len(r.per_layer) == real_model.num_layers
     assert sum(x.kv_bytes for x in r.per_layer) == r.kv_bytes
@@ -166,7 +166,7 @@ def test_every_strategy_runs_a_real_job_through_grpc(client, name):
     if name in ("full", "minicache"):
         # minicache merges only the layer pairs the probe finds alike; SmolLM2's adjacent layers
         # are nearly orthogonal (mean cosine -0.1..0.2), so its plan here is the full cache
-        assert 1.0 <= r.reserve_ratio < 1.0 + cost.ROW_CHUNK / r.prompt_tokens      # spare decode rows
+        assert 1.0 <= r.reserve_ratio < 1.0 + BLOCK_ROWS / r.prompt_tokens          # spare rows of the last block
         assert all(x.kind == "full" for x in r.per_layer)
     else:      # the executor tells the planner the question and the answer's length: the job's
         # cache, measured after its last token, holds its ratio (planner.budget)

@@ -1,14 +1,16 @@
-"""The cost model against the tensors themselves: for every layer kind, at fp16 and fp32 storage,
+"""The cost model against what the cache holds: for every layer kind, at fp16 and fp32 storage,
 a job run step by step through the engine (context chunks, its question, then decode) never holds
 more than `kvcore.plan_cost.plan_bytes` says after its context, and holds exactly that where the
 form does not depend on the data (full, mean-mode eviction, quant); each layer's own bound
-(`bytes_bound`, `kvcore.cost`) holds at every later step, and is met exactly by those forms."""
+(`SeqCache.layer_bounds`: the pool's blocks, `kvcore.blocks`; a cache layer's `bytes_bound`,
+`kvcore.cost`) holds at every later step, and is met exactly by those forms."""
 import pytest
 import torch
 
 from executor.engine import KVBudget, LLMEngine, Sampling
 from executor.prompt import Prompt
 from kvcore import plan_cost
+from kvcore.blocks import BLOCK_ROWS
 from kvplan.plan import CompressionPlan
 from tests.executor.engine.test_llm_engine import _plans     # a plan of every layer kind
 
@@ -33,8 +35,7 @@ def _steps(lm, plan: CompressionPlan, dtype: torch.dtype):
         fed = seq.done_tokens + max(0, len(seq.generated) - 1)                 # rows the cache holds
         rest = [min(CHUNK, context + question - a) for a in range(fed, context + question, CHUNK)]
         rest += [1] * (context + question + NEW - 1 - max(fed, context + question))
-        seen.append((seq.kv_bytes(), [layer.bytes_bound(rest) for layer in seq.cache.layers],
-                     [sum(t.nbytes for t in layer.tensors()) for layer in seq.cache.layers]))
+        seen.append((seq.kv_bytes(), seq.cache.layer_bounds(rest), [x.kv_bytes for x in seq.cache.layer_bytes()]))
     predicted = plan_cost.plan_bytes(seq.plan, lm.num_kv_heads, lm.num_query_heads, lm.head_dim, context, question,
                                      NEW, dtype.itemsize, CHUNK)
     return predicted, seen
@@ -56,6 +57,6 @@ def test_the_cost_model_is_what_the_tensors_hold_at_every_step(tiny_model, name,
             assert max(x[j] for x in later) <= bound
             if name in EXACT:
                 assert max(x[j] for x in later) == bound
-    if name == "full":                                        # the dense rows in the storage dtype, spare rows held
-        assert predicted == sum(plan_cost.cost.capacities(0, 0, [32, 32, 32, 15, 6] + [1] * (NEW - 1))[-1:]) \
+    if name == "full":                                        # the dense rows in the storage dtype, in whole pool blocks
+        assert predicted == -(-(111 + 6 + NEW - 1) // BLOCK_ROWS) * BLOCK_ROWS \
             * tiny_model.num_layers * tiny_model.num_kv_heads * 2 * tiny_model.head_dim * dtype.itemsize

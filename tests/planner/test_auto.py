@@ -5,13 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from executor.layers.quant import QuantGroup
 from executor.prompt import Prompt
 from executor.runner import Runner
-from kvplan.plan import Quant
 from planner import auto
-from planner.auto import RESIDUAL
-from kvcore.statistics import QUANT_GROUP, Losses, ProbeStats
+from kvcore.statistics import Losses, ProbeStats
 from planner.probe import Prober
 from planner.request import InvalidRequest, ModelShape, PlanInput
 
@@ -38,18 +35,6 @@ def test_auto_plan_fits_its_budget_in_the_bytes_the_cache_holds(tiny_model, rati
     held = sum(b.kv_bytes for b in cache.layer_bytes())
     full = sum(b.full_kv_bytes for b in cache.layer_bytes())
     assert held / full <= plan.predicted_reserve_ratio + 1e-9      # the cost model is an upper bound
-
-
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_layer_bytes_are_the_quant_stores_bytes(bits):
-    """The cost model against the store itself: one KV head of head dim 64 holding t tokens,
-    appended in odd steps past the tail's flush points (RESIDUAL + QUANT_GROUP = 64)."""
-    torch.manual_seed(0)
-    store, t = QuantGroup(torch.randn(5, 64), torch.randn(5, 64), Quant(bits, QUANT_GROUP, RESIDUAL), torch.float16), 5
-    for step in [1, 30, 27, 1, 2, 31, 33, 64, 7]:
-        store.append(torch.randn(step, 64), torch.randn(step, 64), torch.arange(step))
-        t += step
-        assert sum(x.nbytes for x in store.tensors()) == pytest.approx(auto.layer_bytes(t, bits, 64)), t
 
 
 def _held_ratio(cache) -> float:
@@ -83,7 +68,8 @@ def test_the_budget_holds_at_every_decode_step(tiny_model, ratio, kv_tokens):
 
 def test_bytes_go_to_the_layer_that_loses_most():
     """Worked example, 2 layers: layer 0 loses much when squeezed, layer 1 nothing; quantizing
-    costs too much error anywhere. At half the bytes layer 0 keeps everything."""
+    costs too much error anywhere. At 0.65 of the bytes layer 0 keeps everything (its 100 rows in
+    7 pool blocks of 16, layer 1's 8 rows in 1: 128 rows of the 130 the budget holds)."""
     f = np.array([1.0, 0.5, 0.0])
     lo = Losses(fractions=f, evict=np.array([[0.0, 0.5, 0.9], [0.0, 0.0, 0.0]]),
                 retained=np.array([[1.0, 0.6, 0.2], [1.0, 0.99, 0.9]]), bits=np.array([16, 8, 4, 2]),
@@ -91,13 +77,13 @@ def test_bytes_go_to_the_layer_that_loses_most():
     stats = ProbeStats(tokens=100, window_scores=np.zeros((2, 1, 100), np.float32), k_similar=np.zeros(2),
                        v_similar=np.zeros(2), k_angle=np.zeros(1), v_angle=np.zeros(1), window=4, losses=lo)
     shape = ModelShape(2, 1, 1, 8)
-    inp = PlanInput(job_id="j", strategy="auto", prompt_tokens=100, model=shape, reserve_ratio=0.55,
+    inp = PlanInput(job_id="j", strategy="auto", prompt_tokens=100, model=shape, reserve_ratio=0.65,
                     probe=lambda **kw: stats)
     plan = auto.plan(inp, "p")
     assert plan.layers[0].eviction is None and plan.layers[0].quant is None          # all kept, exact
     assert plan.layers[1].eviction.keep_tokens == 0                                  # sinks + window only
     assert plan.predicted_retained_attention == pytest.approx((1.0 + 0.9) / 2)
-    assert plan.predicted_reserve_ratio <= 0.55
+    assert plan.predicted_reserve_ratio <= 0.65
 
 
 def test_auto_needs_the_prompt():

@@ -183,7 +183,8 @@ async def test_a_compressing_budget_without_a_strategy_is_planned_by_auto_not_fu
     ("snapkv", 4096, 0.2, 0, True, 32),        # the window fits the budget
     ("snapkv", 52, 0.5, 0, False, 32),         # 26 tokens asked, the window alone is 32
     ("snapkv", 37, 0.2, 0, False, 32),         # 7 asked
-    ("streaming_llm", 37, 0.2, 0, True, 7),    # its window is what the budget leaves after 4 sinks
+    ("streaming_llm", 200, 0.2, 0, True, 25),  # its window is what the budget leaves after 4 sinks (and 15 rows
+                                               # a stream for whole pool blocks: 40 - 15 = 25)
     ("snapkv", 300, 0.5, 256, False, 32),      # 150 asked, but 256 new rows come out of it first
     ("full", 4096, 0.5, 0, False, 4096),       # `full` named: it never compresses, and says so
     ("full", 4096, 1.0, 0, True, 4096),

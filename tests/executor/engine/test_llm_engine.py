@@ -57,20 +57,23 @@ def test_a_jobs_tokens_and_bytes_are_the_same_alone_or_batched_with_every_layer_
     seqs = {name: engine.sequence(prompt, plan, sampling) for name, plan, prompt in jobs}
     for seq in seqs.values():
         engine.add(seq)
-    most = 0
+    most, prefilled = 0, None
+    full = seqs["full"]
     while engine.has_work():
         engine.step()
         most = max(most, sum(s.status is Status.DECODE for s in engine.scheduler.running))
+        if prefilled is None and full.status is Status.DECODE:       # its prompt's rows, before any decode row
+            prefilled = engine.runner.tables.dense(0, full.cache.slot)
     assert most >= 4                                   # they really decoded together
     for name, seq in seqs.items():
         assert seq.generated == solo[name].token_ids, name
         assert seq.cache.layer_bytes() == solo[name].layers, name
         assert seq.final_text == solo[name].text
-    full = seqs["full"].cache.layers[0]
     alone = runner.new_cache(full_plan(tiny_model.num_layers, "f"))
     runner.prefill(jobs[0][2], alone)
-    n = jobs[0][2].num_tokens
-    assert torch.equal(full.keys[..., :n, :], alone.layers[0].keys)      # bit for bit
+    k, v = runner.engine.runner.tables.dense(0, alone.slot)
+    alone.close()
+    assert torch.equal(prefilled[0], k) and torch.equal(prefilled[1], v)      # bit for bit, in the pool
 
 
 def test_bytes_held_never_pass_the_budget_nor_a_sequence_its_reservation(tiny_model):

@@ -1,0 +1,113 @@
+"""The pool and its block tables on small worked examples: rows land where the tables say and read
+back exactly; a quant stream keeps at most residual + g - 1 dense rows between steps and its
+groups dequantize within half a step; the bytes the blocks hold are the cost model's
+(`kvcore.blocks`) at every step; every block comes back when a slot closes; forms share the
+arena chunk by chunk; the pool refuses past its arena, never silently."""
+import numpy as np
+import pytest
+import torch
+
+from executor.engine.block_tables import BlockTables
+from executor.engine.kv_pool import KVPool, PoolExhausted
+from kvcore.blocks import Layout
+
+D = 64
+
+
+def _tables(budget=4 << 20, layers=2, heads=2, slots=4, max_rows=2048):
+    pool = KVPool(Layout(D), budget)
+    return pool, BlockTables(pool, layers, heads, slots, max_rows)
+
+
+def _rows(n, heads=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, heads, D, generator=g), torch.randn(n, heads, D, generator=g)      # [N, H, D]
+
+
+def test_rows_written_through_the_tables_read_back_exactly_across_blocks():
+    pool, tables = _tables()
+    a, b = tables.open([True, True]), tables.open([True, False])
+    written = {a: [], b: []}
+    for step, (na, nb) in enumerate([(5, 40), (1, 1), (30, 3), (1, 1)]):       # prefill chunks, then decode rows
+        k, v = _rows(na + nb, seed=step)
+        w = tables.extend([a, b], [na, nb])
+        for layer in range(2):
+            tables.write(w, layer, k, v)
+        written[a].append((k[:na], v[:na]))
+        written[b].append((k[na:], v[na:]))
+    for slot, layers in ((a, (0, 1)), (b, (0,))):
+        ks, vs = (torch.cat([x[i] for x in written[slot]]) for i in (0, 1))                # [T, H, D]
+        for layer in layers:
+            got_k, got_v = tables.dense(layer, slot)                                       # [H, T, D] fp16
+            assert torch.equal(got_k, ks.transpose(0, 1).half()) and torch.equal(got_v, vs.transpose(0, 1).half())
+    assert int(tables.dend[1, b].max()) == 0                # b's layer 1 is not pooled: nothing stored
+    tables.close(a)
+    tables.close(b)
+    assert pool.bytes_in_use == 0
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_quant_stream_holds_the_cost_models_bytes_and_groups_within_half_a_step(bits):
+    lay = Layout(D)
+    pool, tables = _tables(layers=1, heads=1)
+    s = tables.open([True])
+    k, v = _rows(37, heads=1)
+    residual = 16
+    tables.store_quant(0, s, k[:, 0][None], v[:, 0][None], bits, residual)
+    rows_k, rows_v, t = [k[:, 0]], [v[:, 0]], 37
+    assert tables.layer_bytes(s)[0] == lay.quant_stream_held(t, bits, residual)
+    for step, m in enumerate([1, 30, 27, 1, 2, 31, 33, 64, 7]):
+        pool.peak_bytes = pool.bytes_in_use                 # this step's peak from here
+        kn, vn = _rows(m, heads=1, seed=step + 1)
+        w = tables.extend([s], [m])
+        tables.write(w, 0, kn, vn)
+        tables.flush([s])
+        t += m
+        rows_k.append(kn[:, 0]), rows_v.append(vn[:, 0])
+        assert tables.layer_bytes(s)[0] == pool.bytes_in_use == lay.quant_stream_held(t, bits, residual)
+        assert pool.peak_bytes <= lay.quant_stream_bytes(t - m, m, bits, residual)        # groups before freeing
+        assert int(tables.dend[0, s, 0] - tables.dstart[0, s, 0]) < residual + lay.group
+    got_k, got_v = tables.stream(0, s, 0)                                                   # [t, D] fp32
+    want_k, want_v = torch.cat(rows_k).half().float(), torch.cat(rows_v).half().float()
+    n = int(tables.qn[0, s, 0]) * lay.group
+    # per channel (K) / per token (V) groups: half a step of each group's range, plus fp16 rounding
+    k_step = (want_k[:n].view(-1, lay.group, D).amax(1) - want_k[:n].view(-1, lay.group, D).amin(1)) / (2 ** bits - 1)
+    assert ((got_k[:n] - want_k[:n]).view(-1, lay.group, D).abs() <= k_step[:, None] / 2 + 2e-2).all()
+    v_step = (want_v[:n].amax(1) - want_v[:n].amin(1)) / (2 ** bits - 1)
+    assert ((got_v[:n] - want_v[:n]).abs() <= v_step[:, None] / 2 + 2e-2).all()
+    assert torch.equal(got_k[n:], want_k[n:]) and torch.equal(got_v[n:], want_v[n:])       # the dense tail exact
+    tables.close(s)
+    assert pool.bytes_in_use == 0
+
+
+def test_forms_share_the_arena_and_a_pool_never_hands_out_past_it():
+    lay = Layout(D)
+    pool = KVPool(lay, 2 * lay.chunk_pages * lay.page_bytes)
+    assert pool.capacity >= 2 * lay.chunk_pages * lay.page_bytes
+    per_chunk = lay.chunk_pages // lay.form_pages["dense"]
+    dense = pool.alloc("dense", per_chunk * pool.chunks)                     # every chunk
+    with pytest.raises(PoolExhausted, match="out of blocks for q4"):
+        pool.alloc("q4", 1)
+    pool.release("dense", dense[:per_chunk * 2])                             # two whole chunks free again
+    q4 = pool.alloc("q4", 2 * lay.chunk_pages // lay.form_pages["q4"])      # reclaimed from dense
+    assert len(set(q4.tolist())) == q4.numel()
+    assert pool.bytes_in_use == (dense.numel() - 2 * per_chunk) * lay.dense_bytes + q4.numel() * lay.quant_bytes(4)
+
+
+def test_the_paged_kernel_equals_its_reference_over_mixed_streams():
+    from kernels.paged_decode import paged_decode, paged_decode_reference
+    pool, tables = _tables(layers=1, heads=2, slots=4)
+    slots = [tables.open([True]) for _ in range(3)]
+    for i, (s, (u, bits)) in enumerate(zip(slots, [(70, 0), (150, 4), (300, 2)])):
+        k, v = _rows(u, seed=i)
+        if bits:
+            tables.store_quant(0, s, k.transpose(0, 1), v.transpose(0, 1), bits, 8)
+        else:
+            tables.store_dense(0, s, k.transpose(0, 1), v.transpose(0, 1))
+    st = tables.decode_view(slots, torch.device("cpu"))
+    q = torch.randn(3 * 2, 3, D)
+    args = (q, pool.arena, st.dtable[0], st.dstart[0], st.dend[0], st.qtable[0], st.qn[0], st.qbits[0], pool.layout, 0.125)
+    ref = paged_decode_reference(*args)
+    out = paged_decode(*args)
+    assert ((out - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert np.all(tables.layer_bytes(slots[2]) > 0)

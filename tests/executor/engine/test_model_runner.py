@@ -1,0 +1,63 @@
+"""The model runner's step: at each layer the decode rows of every sequence whose layer the pool
+holds — full, evicted, quantized at 2, 4 or 8 bits under eviction or not — attend in one paged
+kernel call, rows of layers the pool does not hold attend through their own cache layers, and
+each job's tokens and bytes are still the ones it gets alone. The runner's own decoder forward
+gives the loaded model's logits."""
+import random
+
+import torch
+
+from executor.engine import KVBudget, LLMEngine, Sampling, model_runner
+from executor.prompt import Prompt
+from executor.runner import Runner
+from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
+
+REPEAT = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat", span_tokens=4, sink_tokens=2)
+MEAN = Eviction(keep_tokens=40, window=8, scorer="snapkv", gqa_mode="mean")
+
+
+def test_every_pooled_form_of_many_sequences_decodes_in_one_call_per_layer_with_solo_tokens(tiny_model, monkeypatch):
+    m, hk = tiny_model.num_layers, tiny_model.num_kv_heads
+
+    def each(**parts):
+        return CompressionPlan("p", "t", tuple(LayerPlan(i, **parts) for i in range(m)))
+    plans = {"full-a": full_plan(m, "f"), "full-b": full_plan(m, "f"), "evicted": each(eviction=MEAN),
+             "quant4": each(eviction=MEAN, quant=Quant(bits=4, group_size=32, residual=8)),
+             "quant2": each(quant=Quant(bits=2, group_size=32, residual=8)),
+             "quant8": each(eviction=MEAN, quant=Quant(bits=8, group_size=32, residual=4)),
+             "repeat": each(eviction=REPEAT)}                   # per query head: a cache layer of its own
+    rng = random.Random(3)
+    prompts = {name: Prompt([rng.randint(100, 40000) for _ in range(rng.randint(80, 120))], []) for name in plans}
+    solo = {name: Runner(tiny_model, torch.float16, prefill_chunk=32).run(prompts[name], plan, Sampling(40))
+            for name, plan in plans.items()}
+
+    calls: list[int] = []                                # streams of every paged call
+    real = model_runner.paged_decode
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+    monkeypatch.setattr(model_runner, "paged_decode", counted)
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), max_batched_tokens=1024, prefill_chunk=32)
+    seqs = {name: engine.sequence(prompts[name], plan, Sampling(40)) for name, plan in plans.items()}
+    for seq in seqs.values():
+        engine.add(seq)
+    engine.run_all()
+    for name, seq in seqs.items():
+        assert seq.generated == solo[name].token_ids, name
+        assert seq.cache.layer_bytes() == solo[name].layers, name
+    assert max(calls) == 6 * hk                          # six pooled jobs, every form, one call
+    assert engine.runner.pool.bytes_in_use == 0          # every block back once they ended
+    quant = seqs["quant2"].cache.layer_bytes()
+    assert all(x.kind == "quant" and x.kv_bytes < 0.5 * x.full_kv_bytes for x in quant)
+
+
+def test_the_runners_decoder_gives_the_models_logits(tiny_model):
+    ids = list(range(100, 160))
+    runner = Runner(tiny_model, torch.float16, prefill_chunk=64)
+    cache = runner.new_cache(full_plan(tiny_model.num_layers, "f"))
+    ours = runner.forward(ids, 0, cache, "context", keep=len(ids))                      # [T, V]
+    cache.close()
+    with torch.inference_mode():
+        ref = tiny_model.model(input_ids=torch.tensor([ids])).logits[0]                  # plain transformers
+    assert torch.allclose(ours, ref, atol=2e-3, rtol=1e-3), (ours - ref).abs().max()
