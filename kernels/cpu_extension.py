@@ -1,4 +1,5 @@
-"""The CPU decode kernels' C++ (`kernels/cpu_decode.cpp`), compiled once per machine with torch's
+"""The CPU kernels' C++ (`kernels/cpu_decode.cpp`: attention; `kernels/cpu_decoder_ops.cpp`: the
+decoder's per-row ops), compiled once per machine with torch's
 cpp_extension and cached in TORCH_EXTENSIONS_DIR (~1 min the first time; a changed source
 rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
 first decode waits for a compiler. Where no compiler is, `module()` is None and the launchers
@@ -11,7 +12,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvplan.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp")]
 _LOCK = threading.Lock()
 _MODULE: list = []          # [module] once built, [None] once it could not be
 
@@ -23,7 +24,7 @@ def module():
             if not _MODULE:
                 try:
                     from torch.utils.cpp_extension import load
-                    _MODULE.append(load("kvplan_cpu_decode", sources=[str(SOURCE)],
+                    _MODULE.append(load("kvplan_cpu_decode", sources=[str(x) for x in SOURCES],
                                         extra_cflags=["-O3", "-march=native", "-fopenmp"],   # at::parallel_for is
                                         extra_ldflags=["-fopenmp"], verbose=False))           # OpenMP: torch's libgomp
                 except Exception as e:              # noqa: BLE001  (no compiler, no headers: the references)

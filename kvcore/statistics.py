@@ -70,8 +70,8 @@ def similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Generat
     hk, t, _ = x.shape
     if t < 2:
         return 0.0
-    rows = torch.randperm(t, generator=gen)[:min(sample, t)]                                  # [S]
-    cols = torch.randperm(t, generator=gen)[:min(4 * sample, t)]                              # [C]
+    rows = torch.randperm(t, generator=gen)[:min(sample, t)].to(x.device)                     # [S]
+    cols = torch.randperm(t, generator=gen)[:min(4 * sample, t)].to(x.device)                 # [C]
     cos = torch.einsum("hsd,hcd->hsc", F.normalize(x[:, rows].float(), dim=-1),             # only the rows sampled
                        F.normalize(x[:, cols].float(), dim=-1))                               # [H_kv, S, C]
     other = rows[:, None] != cols[None, :]                                                    # [S, C] not itself
@@ -233,7 +233,7 @@ class LayerStatistics:
         """seconds: the wall time to report (default: `spent_s`, what gathering the layers took)."""
         lost = self._lost
         return ProbeStats(
-            tokens=self.tokens, window_scores=torch.stack(self._scores).numpy().astype(np.float32),
+            tokens=self.tokens, window_scores=torch.stack(self._scores).float().cpu().numpy(),
             k_similar=np.array(self._k_sim, np.float32), v_similar=np.array(self._v_sim, np.float32),
             k_angle=np.array(self._k_ang, np.float32), v_angle=np.array(self._v_ang, np.float32),
             window=min(self.window, self.tokens), seconds=self.spent_s if seconds is None else seconds,

@@ -50,6 +50,11 @@ class StepTables:
     paged: torch.Tensor
     all_paged: list[bool]          # [L] every sequence's layer is pooled
 
+    def __post_init__(self):
+        # per layer, the kernel's table arguments (dtable, dstart, dend, qtable, qn, qbits): views made once
+        object.__setattr__(self, "layers", list(zip(*(t.unbind(0) for t in (
+            self.dtable, self.dstart, self.dend, self.qtable, self.qn, self.qbits)))))
+
 
 class BlockTables:
     def __init__(self, pool: KVPool, num_layers: int, num_kv_heads: int, max_slots: int, max_rows: int):
@@ -136,7 +141,9 @@ class BlockTables:
             if not bool(keep.any()):
                 return
             at, k, v = at[keep], k[keep.to(k.device)], v[keep.to(v.device)]
-        at = at.reshape(-1).to(rows.device)
+        at = at.reshape(-1)
+        if at.device != rows.device:
+            at = at.to(rows.device)
         rows.index_copy_(0, at, k.reshape(-1, k.shape[-1]).to(self.dtype))
         rows.index_copy_(0, at + self.layout.rows, v.reshape(-1, v.shape[-1]).to(self.dtype))
 

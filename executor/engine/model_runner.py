@@ -28,6 +28,7 @@ from executor.engine.sampler import sample
 from executor.engine.scheduler import Output, Segment
 from executor.engine.seq_cache import SeqCache
 from kernels import cpu_extension
+from kernels import decoder_ops as ops
 from kernels.paged_decode import paged_decode
 from kvcore import scoring
 from kvcore.blocks import Layout
@@ -53,6 +54,8 @@ class ModelRunner:
         self.lm, self.storage_dtype = lm, storage_dtype
         m = lm.model.model
         self.scaling = float(m.layers[0].self_attn.scaling)          # softmax scale of every layer
+        self.eps = float(m.layers[0].input_layernorm.variance_epsilon)
+        self.silu = getattr(lm.model.config, "hidden_act", "silu") == "silu"     # LlamaMLP's act (else its own module)
         self.rope = (m.rotary_emb.inv_freq.float(), float(m.rotary_emb.attention_scaling))
         self.layout = Layout(lm.head_dim, storage_dtype.itemsize)
         self.pool = KVPool(self.layout, self.pool_bytes(budget_bytes, lm.device), lm.device)
@@ -62,11 +65,10 @@ class ModelRunner:
 
     @staticmethod
     def pool_bytes(budget_bytes: int, device: torch.device) -> int:
-        """The pool for a KV budget: the budget, but on the CPU never more than POOL_SHARE of the
-        memory available (a budget of "unlimited" in tests and benches)."""
-        if device.type != "cpu":
-            return budget_bytes
-        return min(budget_bytes, int(POOL_SHARE * psutil.virtual_memory().available))
+        """The pool for a KV budget: the budget, but never more than POOL_SHARE of the memory
+        free on its device (a budget of "unlimited" in tests and benches)."""
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        return min(budget_bytes, int(POOL_SHARE * free))
 
     def new_legacy(self, plan: CompressionPlan, store=None) -> PlannedCache:
         """The cache layers of the plan's layers the pool does not hold (and the job's state)."""
@@ -142,23 +144,28 @@ class ModelRunner:
 
     def model(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, attend) -> torch.Tensor:
         """The decoder over rows ids, pos [N] -> logits of rows `keep` [K, V]; attend(layer, q
-        [N, H, D], k, v [N, H_kv, D]) -> [N, H, D] is each layer's attention."""
+        [N, H, D], k, v [N, H_kv, D]) -> [N, H, D] is each layer's attention. The loaded model's
+        weights and modules; its per-row ops fused (`kernels.decoder_ops`)."""
         lm = self.lm
         m = lm.model.model
         n, h, hk, d = ids.shape[0], lm.num_query_heads, lm.num_kv_heads, lm.head_dim
-        x = m.embed_tokens(ids)                                                        # [N, hidden]
-        cos, sin = m.rotary_emb(x, pos)                                                # [N, D]
-        cos, sin = cos[:, None], sin[:, None]
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            y = layer.input_layernorm(x)
-            q = a.q_proj(y).view(n, h, d)
-            k = a.k_proj(y).view(n, hk, d)
-            v = a.v_proj(y).view(n, hk, d)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            x = x + a.o_proj(attend(i, q, k, v).reshape(n, h * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return lm.model.lm_head(m.norm(x.index_select(0, keep)))
+        x = m.embed_tokens(ids)                                                        # [N, hidden] residual
+        cos, sin = m.rotary_emb(x, pos[None])                                          # [1, N, D]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()                            # [N, D]
+        layers = m.layers
+        y = ops.rms_norm(x, layers[0].input_layernorm.weight, self.eps)
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            q = ops.rope_(a.q_proj.forward(y).view(n, h, d), cos, sin)
+            k = ops.rope_(a.k_proj.forward(y).view(n, hk, d), cos, sin)
+            v = a.v_proj.forward(y).view(n, hk, d)
+            o = a.o_proj.forward(attend(i, q, k, v).reshape(n, h * d))
+            y = ops.add_rms_norm(x, o, layer.post_attention_layernorm.weight, self.eps)
+            o = mlp.down_proj.forward(ops.silu_mul(mlp.gate_proj.forward(y), mlp.up_proj.forward(y))) \
+                if self.silu else mlp(y)
+            w = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+            y = ops.add_rms_norm(x, o, w, self.eps) if w is not None else x.add_(o)
+        return lm.model.lm_head(m.norm(y.index_select(0, keep)))
 
     # -- attention ------------------------------------------------------------------------------
     def attend(self, step: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -184,8 +191,7 @@ class ModelRunner:
         st, hk = step.tables, self.lm.num_kv_heads
         hn, d = q.shape[1] // hk, q.shape[2]
         if st.all_paged[layer]:
-            sel, rows = step.decode, step.decode_rows
-            streams = slice(None)
+            sel, rows, tables = step.decode, step.decode_rows, st.layers[layer]
         else:
             which = st.paged[layer].nonzero()[:, 0]
             if not which.numel():
@@ -193,9 +199,8 @@ class ModelRunner:
             sel = [step.decode[i] for i in which.tolist()]
             rows = step.decode_rows[which.to(step.decode_rows.device)]
             streams = (which[:, None] * hk + torch.arange(hk)).reshape(-1).to(st.dtable.device)
-        pick = lambda t: t[layer] if isinstance(streams, slice) else t[layer].index_select(0, streams)   # noqa: E731
-        res = paged_decode(q.index_select(0, rows).view(-1, hn, d), self.pool.arena, pick(st.dtable),
-                           pick(st.dstart), pick(st.dend), pick(st.qtable), pick(st.qn), pick(st.qbits),
+            tables = [t.index_select(0, streams) for t in st.layers[layer]]
+        res = paged_decode(q.index_select(0, rows).view(-1, hn, d), self.pool.arena, *tables,
                            self.layout, self.scaling)                                   # [S_d·H_kv, h_n, D]
         out.index_copy_(0, rows, res.view(len(sel), -1, d).to(q.dtype))
         return set(sel)

@@ -81,17 +81,6 @@ class LayerContext:
     store: object | None = None               # cachestore.handle.JobHandle (offload layers)
 
 
-@dataclass(frozen=True)
-class DecodeGroups:
-    """A layer's KV groups as a cross-sequence decode kernel reads them (`decode_groups`): layers
-    of many sequences with the same `form` attend in one kernel call (`executor.engine.batch_cache`).
-    form: ("dense",) or ("quant", bits, g, g_v); operands: one tuple per KV group, the kernel's
-    arguments for it (dense: k, v [T, D] fp16, mask [h_n, T] or None; quant: QuantRows, k_tail,
-    v_tail [R, D] fp16, mask [h_n, U] or None)."""
-    form: tuple
-    operands: list
-
-
 class CacheLayer(Protocol):
     """What the cache, the attention function and the engine call on a layer of any kind
     (a transformers `DynamicLayer` besides). Shapes: B = 1 sequence, H query heads, H_kv KV
@@ -119,7 +108,3 @@ class CacheLayer(Protocol):
 
     def bytes_bound(self, adds: list[int]) -> int:
         """Most bytes held at any step while `adds` rows join in turn (`kvcore.cost`)."""
-
-    def decode_groups(self) -> DecodeGroups | None:
-        """This forward's decode row may attend through a cross-sequence kernel: its groups'
-        operands (after `update` took the row), or None (it attends itself, `attend`)."""

@@ -15,7 +15,7 @@ import torch
 from executor import kvcrush
 from kvcore import scoring
 from executor.attention import causal_attention
-from executor.layers.base import DecodeGroups, LayerContext, Phase
+from executor.layers.base import LayerContext, Phase
 from executor.layers.full import FullLayer
 from executor.layers.groups import DenseGroup, grown, index_dtype
 from kvcore import cost
@@ -110,17 +110,6 @@ class EvictedLayer(FullLayer):
                 mask = torch.cat([prompt[:, None, :].expand(hn, tq, p), tail[None].expand(hn, tq, u - p)], dim=-1)
             outs.append(group.attend(q[0, g * hn:(g + 1) * hn], mask, scaling))           # [h_n, Tq, D]
         return torch.cat(outs).transpose(0, 1)[None].contiguous()
-
-    def decode_groups(self) -> DecodeGroups | None:
-        """A compressed layer's decode row: each group's operand (its own kept rows, and in
-        `repeat` mode the mask of what each query head sees), when every group has one form."""
-        if not self.compressed or self.ctx.state.phase is not Phase.AFTER:
-            return None
-        ops = [group.decode_operand(None if self.masks is None else self.masks[g][:, :group.num_tokens])
-               for g, group in enumerate(self.groups)]
-        if any(op is None for op in ops) or len({form for form, _ in ops}) != 1:
-            return None
-        return DecodeGroups(ops[0][0], [operand for _, operand in ops])
 
     def _grow_mask(self, g: int, used: int, m: int) -> None:
         """Room in group g's mask for m tokens joining its `used` rows, by the rows' own growth

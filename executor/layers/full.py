@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from executor.attention import causal_attention
-from executor.layers.base import CacheState, DecodeGroups, LayerContext, Phase  # noqa: F401  (CacheState: its old home)
+from executor.layers.base import CacheState, LayerContext, Phase  # noqa: F401  (CacheState: its old home)
 from kernels import dense_decode
 from kvcore.attention import routed
 from kernels.rope_reconstruct import unrotate_rope
@@ -95,13 +95,6 @@ class FullLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.tokens_seen
-
-    def decode_groups(self) -> DecodeGroups | None:
-        """A decode row over the stored fp16 rows: each KV head's rows [T, D] (`kernels.dense_decode`)."""
-        if not self._decodes_stored(1) or not self.used:
-            return None
-        k, v = self.keys[0], self.values[0]                                             # [H_kv, T, D]
-        return DecodeGroups(("dense",), [(k[g], v[g], None) for g in range(k.shape[0])])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
         """q: [1, H, Tq, D]; k, v: what `update` returned -> [1, Tq, H, D]. The one place a layer

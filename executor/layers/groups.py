@@ -77,10 +77,6 @@ class DenseGroup:
         """-> post-RoPE K, V: [U, D] in the compute dtype."""
         return self.k.to(dtype), self.v.to(dtype)
 
-    def decode_operand(self, mask: torch.Tensor | None) -> tuple | None:
-        """mask: [h_n, U] bool or None -> (form, (k, v, mask)) for the fp16 decode kernel, or None."""
-        return (("dense",), (self.k, self.v, mask)) if dense_decode.handles(self._k) else None
-
     def attend(self, q: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """q: [h_n, Tq, D] the group's query heads; mask: [h_n, Tq, U] bool (True = seen) or None
         -> [h_n, Tq, D]. A decode row reads the stored rows in the fused kernel."""
@@ -143,10 +139,6 @@ class CodebookGroup:
     @property
     def k_coded(self) -> bool:
         return isinstance(self.k, CodedRows)
-
-    def decode_operand(self, mask: torch.Tensor | None) -> None:
-        """Codebook groups attend themselves (no cross-sequence kernel)."""
-        return None
 
     @property
     def v_coded(self) -> bool:

@@ -25,7 +25,6 @@ import torch
 from executor.layers.evicted import EvictedLayer
 from executor.layers.base import LayerContext, UnsupportedPlan
 from kernels import lowbit_scores, quant_attend, quantize_pack, unpack_dequantize
-from kernels import quant_decode as qdecode
 from kernels import tail_append as tails
 from kernels.quant_decode import QuantRows
 from kvcore import cost
@@ -76,7 +75,6 @@ class QuantGroup:
         self._kt = self._vt = None                    # the tail's storage [capacity, D], dtype: `_store`
         self.r = 0                                    # tail rows in use
         self._store(k_post.to(dtype), v.to(dtype))
-        self.fused = qdecode.handles([self.quant_rows()], [self.k_tail, self.v_tail])   # the decode kernel reads it
 
     @property
     def k_tail(self) -> torch.Tensor:
@@ -148,13 +146,6 @@ class QuantGroup:
             self._rows = QuantRows(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
                                    self.bits)
         return self._rows
-
-    def decode_operand(self, mask: torch.Tensor | None) -> tuple | None:
-        """mask: [h_n, U] bool or None -> (form, (rows, k_tail, v_tail, mask)) for the quantized
-        decode kernel, or None where it cannot read this group (fp32 tails, another device)."""
-        if not self.fused:
-            return None
-        return ("quant", self.bits, self.group, self.v_group), (self.quant_rows(), self.k_tail, self.v_tail, mask)
 
     def materialize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> post-RoPE K, V: [U, D] in `dtype` (dequantized rows, then the tail)."""

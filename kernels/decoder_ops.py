@@ -1,0 +1,70 @@
+"""The decoder's per-row ops, each one pass over its rows (at a decode step the rows are few, and
+the dispatch of the six to eight torch ops each composes to was what it cost):
+
+    rms_norm(x, w, eps)                  x / sqrt(mean(x²) + eps) · w            (LlamaRMSNorm)
+    add_rms_norm(residual, delta, w)     residual += delta in place; -> rms_norm(residual)
+    rope_(x, cos, sin)                   x · cos + rotate_half(x) · sin, in place (HF's RoPE)
+    silu_mul(gate, up)                   silu(gate) · up                           (LlamaMLP's)
+
+    kernel      C++ on the CPU for contiguous fp32 rows (`kernels/cpu_decoder_ops.cpp`, built with
+                the decode kernels by `kernels.cpu_extension`)
+    launcher    the functions below: the kernel where it applies, else the reference
+    reference   the same math in plain torch (any dtype, any device)
+
+Shapes: N rows, H hidden, heads × D per row for RoPE, F the MLP's width."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_extension
+
+ENABLED = True       # False: the references everywhere (benches compare both in one process)
+
+
+def _cpu(x: torch.Tensor) -> bool:
+    """Whether rows like x get the kernel (the other operands are checked by the kernel itself)."""
+    return ENABLED and x.dtype == torch.float32 and not x.is_cuda and cpu_extension.module() is not None
+
+
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, H], w [H] -> [N, H]."""
+    if _cpu(x) and x.is_contiguous():
+        return cpu_extension.module().rms_norm(x, w.contiguous(), float(eps))
+    return rms_norm_reference(x, w, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual [N, H] += delta [N, H] (in place) -> rms_norm(residual, w) [N, H]."""
+    if _cpu(residual) and residual.is_contiguous() and delta.is_contiguous():
+        return cpu_extension.module().add_rms_norm(residual, delta, w.contiguous(), float(eps))
+    residual += delta
+    return rms_norm_reference(residual, w, eps)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] in place; cos, sin [N, D] -> x."""
+    if _cpu(x) and x.stride(2) == 1:
+        cpu_extension.module().rope_(x, cos, sin)
+        return x
+    x.copy_(rope_reference(x, cos, sin))
+    return x
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [N, F] -> silu(gate) · up."""
+    if _cpu(gate) and gate.is_contiguous() and up.is_contiguous():
+        return cpu_extension.module().silu_mul(gate, up)
+    return F.silu(gate) * up
