@@ -1,12 +1,13 @@
 """Serving under one KV budget: many jobs at once through the real services, per strategy.
 
-    python -m bench.serve [--strategies full auto specache snapkv spindlekv] [--ratio 0.2]
+    python -m bench.serve [--strategies full auto adaptive specache snapkv spindlekv] [--ratio 0.2]
                           [--requests 20] [--lengths 3500] [--new-tokens 256]
                           [--budget-jobs 4 | --kv-budget-bytes N] [--rate R] [--scenario throughput|itl]
                           [--out bench/results/serve]
 
 For each KV budget and strategy a fresh planner, cachestore and executor (processes, the
-executor's KV budget set) serve N requests drawn deterministically from the quality bench's
+executor's KV budget set) serve N requests (`adaptive`: `auto` under an adaptive budget, the
+ratio chosen per job from the load) drawn deterministically from the quality bench's
 needle and multi-key cases (query in the prompt), sent at once or as a Poisson process.
 `--budget-jobs K` sets the budget to what K full-KV jobs of the longest length reserve.
 
@@ -131,7 +132,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--json", default="serve.json", help="the results file's name in --out")
     args = ap.parse_args(argv)
-    unknown = [s for s in args.strategies if s not in STRATEGIES]
+    unknown = [s for s in args.strategies if s not in STRATEGIES and s != "adaptive"]
     if unknown:
         ap.error(f"unknown strategies {unknown}; known: {sorted(STRATEGIES)}")
     if args.requests < 1 or args.new_tokens < 1 or not args.lengths:
@@ -149,12 +150,14 @@ def main(argv=None) -> None:
     runs = []
     for budget in budgets:
         for strategy in args.strategies:
-            ratio = None if strategy == "full" else args.ratio
-            items = [load.Item(c, strategy, ratio, args.new_tokens, t, f"{c.family}-{c.length}" if args.profiles else "",
-                               not args.stop_at_eos) for c, t in zip(cases, arrive)]
+            adaptive = strategy == "adaptive"                 # `auto` under an adaptive budget: the load decides
+            ratio = None if strategy == "full" or adaptive else args.ratio
+            items = [load.Item(c, "auto" if adaptive else strategy, ratio, args.new_tokens, t,
+                               f"{c.family}-{c.length}" if args.profiles else "", not args.stop_at_eos, adaptive)
+                     for c, t in zip(cases, arrive)]
             print(f"[serve] {strategy} at {ratio or 1.0} under {budget / 2**20:.0f} MiB ...", flush=True)
             summary, sent = serve_once(args, strategy, budget, items, f"{strategy}-{budget}")
-            runs.append(dict(strategy=strategy, ratio=ratio or 1.0, **summary,
+            runs.append(dict(strategy=strategy, ratio=ratio or (summary["measured_ratio"] if adaptive else 1.0), **summary,
                              cases=[dict(id=s.item.case.id, correct=s.correct, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
                                          tokens=len(s.t_tokens), reserve_ratio=s.result.reserve_ratio if s.result else None,
                                          error=s.error) for s in sent]))

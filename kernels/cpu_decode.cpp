@@ -544,23 +544,29 @@ std::vector<torch::Tensor> quantize_pack(torch::Tensor x, int64_t bits, int64_t 
 // The same quantization and back to fp32 at several bit widths in one pass over x (`auto`'s
 // storage-form losses, `kvcore.statistics`): per group of g elements along a row, its min and max
 // once, then for each bit width scale, zero and code as `quantize_pack` and zero + code * scale.
-// Rows [R, L] of fp32 (any strides); only the first `quantized` elements of the first `rows`
-// rows are quantized, the rest copied exact (a quant layer's dense tail). -> one [R, L] fp32 per bit width
+// Rows [R, L] (or a batch of them [B, R, L]) of fp32, any strides; only the first `quantized`
+// elements of the first `rows` rows are quantized, the rest copied exact (a quant layer's dense
+// tail). -> one [R, L] (or [B, R, L]) fp32 per bit width
 std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_t> bits, int64_t group,
                                              int64_t quantized, int64_t rows) {
-  const int64_t R = x.size(0), L = x.size(1), xs = x.stride(0), xe = x.stride(1), B = bits.size();
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "x must be [R, L] or [B, R, L]");
+  const bool batched = x.dim() == 3;
+  const int64_t Bn = batched ? x.size(0) : 1, R = x.size(-2), L = x.size(-1);
+  const int64_t xb = batched ? x.stride(0) : 0, xs = x.stride(-2), xe = x.stride(-1), B = bits.size();
   std::vector<torch::Tensor> outs;
   std::vector<float*> op;
   for (int64_t b = 0; b < B; ++b) {
-    outs.push_back(torch::empty({R, L}, x.options()));
+    outs.push_back(batched ? torch::empty({Bn, R, L}, x.options()) : torch::empty({R, L}, x.options()));
     op.push_back(outs.back().data_ptr<float>());
   }
   const float* xp = x.data_ptr<float>();
   const int64_t G = quantized / group;
-  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Bn * R, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(group);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * xs;
+    for (int64_t br = begin; br < end; ++br) {
+      const int64_t r = br % R;
+      const float* row = xp + (br / R) * xb + r * xs;
+      const int64_t at = br * L;                          // the row's start in every output
       const int64_t groups = r < rows ? G : 0;
       for (int64_t gi = 0; gi < groups; ++gi) {
         float mn = INFINITY, mx = -INFINITY;
@@ -575,7 +581,7 @@ std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_
           const float s = half1(_cvtss_sh((mx - mn) / levels, _MM_FROUND_TO_NEAREST_INT));
           const float z = half1(_cvtss_sh(mn, _MM_FROUND_TO_NEAREST_INT));
           const float safe = s > 0.f ? s : 1.f;
-          float* o = op[b] + r * L + gi * group;
+          float* o = op[b] + at + gi * group;
           for (int64_t i = 0; i < group; ++i) {
             float q = std::floor((buf[i] - z) / safe + 0.5f);
             q = q < 0.f ? 0.f : (q > levels ? levels : q);
@@ -584,7 +590,7 @@ std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_
         }
       }
       for (int64_t i = groups * group; i < L; ++i)
-        for (int64_t b = 0; b < B; ++b) op[b][r * L + i] = row[i * xe];
+        for (int64_t b = 0; b < B; ++b) op[b][at + i] = row[i * xe];
     }
   });
   return outs;

@@ -288,9 +288,10 @@ def quantize_pack_cpu(x: torch.Tensor, bits: int, group_size: int) -> tuple[torc
 
 
 def dequantized_forms(x: torch.Tensor, bits: list[int], group_size: int, quantized: int, rows: int) -> list[torch.Tensor]:
-    """x [R, L] fp32 (any strides) -> per bit width [R, L] fp32: the first `quantized` elements of
-    the first `rows` rows through quantization at that width and back (`dequantized_at`, within
-    fp32 rounding), the rest exact — every width from one pass over x (C++; `quantize_pack_cpu_handles`)."""
+    """x [R, L] (or a batch [B, R, L]) fp32, any strides -> per bit width the same shape in fp32: the
+    first `quantized` elements of the first `rows` rows through quantization at that width and back
+    (`dequantized_at`, within fp32 rounding), the rest exact — every width from one pass over x
+    (C++; `quantize_pack_cpu_handles`)."""
     return list(cpu_extension.module().dequantized_forms(x, list(bits), group_size, quantized, rows))
 
 

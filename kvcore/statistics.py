@@ -142,9 +142,9 @@ def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
         return lambda bits: (k_t, v)
     if k.dtype == v.dtype == torch.float32 and quantize_pack_cpu_handles(k):     # C++: every width in one pass
         widths = [b for b in BITS if b != 16]
-        ks = [dequantized_forms(k_t[h], widths, QUANT_GROUP, q_t, d) for h in range(hk)]    # per head [D, T] each
-        vs = [dequantized_forms(v[h], widths, g, d, q_t) for h in range(hk)]                 # per head [T, D] each
-        forms = {b: (torch.stack([x[i] for x in ks]), torch.stack([x[i] for x in vs])) for i, b in enumerate(widths)}
+        ks = dequantized_forms(k_t, widths, QUANT_GROUP, q_t, d)                           # per width [H_kv, D, T]
+        vs = dequantized_forms(v, widths, g, d, q_t)                                       # per width [H_kv, T, D]
+        forms = {b: (ks[i], vs[i]) for i, b in enumerate(widths)}
         return lambda bits: forms[bits]
     k_groups = group_ranges(k_t[:, :, :q_t].reshape(hk * d, q_t), QUANT_GROUP)
     v_groups = group_ranges(v[:, :q_t].reshape(-1, d), g)

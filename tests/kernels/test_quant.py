@@ -361,3 +361,16 @@ def test_every_width_in_one_pass_matches_quantizing_at_each():
         want[:20, :96] = quant.dequantized_at(*quant.group_ranges(x[:20, :96].contiguous(), 32), bits).view(20, 96)
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
         assert torch.equal(out[20:], x[20:]) and torch.equal(out[:, 96:], x[:, 96:])   # the rest exact
+
+
+def test_every_width_in_one_pass_takes_a_batch_of_row_sets():
+    """A batch [B, R, L] (the KV heads of a layer, a transposed view read in place) gives what each
+    row set gives alone."""
+    if not quant.quantize_pack_cpu_handles(torch.empty(1, 1)):
+        pytest.skip("the C++ kernels could not be built here: the reference serves")
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(3, 100, 24, generator=gen) * 3).transpose(1, 2)               # [3, 24, 100] strided
+    got = quant.dequantized_forms(x, [8, 2], 32, 96, 20)
+    for b in range(3):
+        for out, alone in zip(got, quant.dequantized_forms(x[b], [8, 2], 32, 96, 20)):
+            assert out.shape == (3, 24, 100) and torch.equal(out[b], alone)
