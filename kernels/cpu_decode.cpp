@@ -782,12 +782,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::Tensor w, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+void write_kv(torch::Tensor rows, torch::Tensor at, torch::Tensor k, torch::Tensor v, int64_t R);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then RMSNorm of it");
   m.def("rope_", &rope_, "RoPE on fp32 rows in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("write_kv", &write_kv, "a step's K/V rows into the pool's fp16 rows");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
   m.def("dense_decode", &dense_decode, "decode attention over dense fp16 rows of many groups");

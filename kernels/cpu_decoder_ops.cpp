@@ -1,4 +1,5 @@
-// The decoder's small per-row ops on the CPU, each one pass over its rows instead of the six to
+// The decoder's small per-row ops on the CPU (and the step's K/V rows written into the pool), each
+// one pass over its rows instead of the six to
 // eight torch ops (and as many full-size temporaries) each composes to: RMSNorm (optionally
 // adding a residual first, in place), RoPE on queries and keys in place, SiLU(gate) * up. At a
 // decode step these rows are few (one per sequence) and the ops' dispatch, not their arithmetic,
@@ -7,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
 #include <cmath>
 
 namespace {
@@ -99,4 +101,32 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
     for (; i < e; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   });
   return out;
+}
+
+// A step's new K/V rows into the pool (`kernels/kv_write.py`): rows [n, D] fp16 (the arena's rows
+// view), at [M] int64 the K row of each of k, v's M rows ([M, D] fp32, rows contiguous): rows[at[i]]
+// := k[i] and rows[at[i] + R] := v[i], rounded to fp16 (to nearest even, as Tensor.to(float16))
+void write_kv(torch::Tensor rows, torch::Tensor at, torch::Tensor k, torch::Tensor v, int64_t R) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kHalf && rows.is_contiguous(), "rows must be fp16 [n, D]");
+  const int64_t D = rows.size(1), M = at.numel();
+  TORCH_CHECK(at.scalar_type() == torch::kLong && at.is_contiguous(), "at must be contiguous int64");
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->dim() == 2 && t->size(0) == M && t->size(1) == D &&
+                t->stride(1) == 1, "k, v must be fp32 [M, D] with contiguous rows");
+  uint16_t* rp = reinterpret_cast<uint16_t*>(rows.data_ptr<at::Half>());
+  const int64_t* ap = at.data_ptr<int64_t>();
+  const int64_t n = rows.size(0);
+  for (int64_t i = 0; i < M; ++i) TORCH_CHECK(ap[i] >= 0 && ap[i] + R < n, "row ", ap[i], " outside the arena");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      uint16_t* kr = rp + ap[i] * D;
+      uint16_t* vr = rp + (ap[i] + R) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kr[d] = _cvtss_sh(kp[i * ks + d], _MM_FROUND_TO_NEAREST_INT);
+        vr[d] = _cvtss_sh(vp[i * vs + d], _MM_FROUND_TO_NEAREST_INT);
+      }
+    }
+  });
 }

@@ -36,18 +36,17 @@ STORAGE_BYTES = 2
 
 
 def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray) -> np.ndarray:
-    """Most bytes one KV head holds at each step of the job (`planner.budget`), as the executor's
-    pool stores it (`kvcore.blocks`): its `kept` prompt tokens plus the rows added so far, in whole
-    dense blocks, or (a quant layer) in KIVI groups of QUANT_GROUP with at least RESIDUAL newest
-    rows dense — the new rows of a step sit in that dense tail until the step's end quantizes
-    whole groups of its oldest. added: [S + 1] rows added after each step (0 first) -> [S + 1]."""
+    """Bytes one KV head holds after each step of the job (`planner.budget`: the budget holds
+    between steps, as it is measured), as the executor's pool stores it (`kvcore.blocks`): its
+    `kept` prompt tokens plus the rows added so far, in whole dense blocks, or (a quant layer) in
+    KIVI groups of QUANT_GROUP with at least RESIDUAL newest rows dense. (Within a step a quant
+    layer briefly holds a new group beside the rows it came from; the executor reserves that
+    too: `kvcore.plan_cost`.) added: [S + 1] rows added after each step (0 first) -> [S + 1]."""
     lay = Layout(head_dim, STORAGE_BYTES)
-    kept = int(kept)
+    rows = int(kept) + added.astype(np.int64)
     if bits == 16:
-        return lay.dense_stream_bytes(kept + added.astype(np.int64)).astype(np.float64)
-    added = added.astype(np.int64)
-    during = lay.quant_stream_bytes(kept + added[:-1], np.diff(added), bits, RESIDUAL)
-    return np.concatenate([[lay.quant_stream_held(kept, bits, RESIDUAL)], during]).astype(np.float64)
+        return lay.dense_stream_bytes(rows).astype(np.float64)
+    return lay.quant_stream_held(rows, bits, RESIDUAL).astype(np.float64)
 
 
 def strategy(d):

@@ -25,6 +25,7 @@ import torch
 
 from executor.engine.kv_pool import KVPool
 from kernels import quantize_pack
+from kernels.kv_write import write_kv
 from kernels.paged_decode import dense_rows, dequantize_groups
 from kvcore.blocks import ceil_div
 
@@ -144,8 +145,7 @@ class BlockTables:
         at = at.reshape(-1)
         if at.device != rows.device:
             at = at.to(rows.device)
-        rows.index_copy_(0, at, k.reshape(-1, k.shape[-1]).to(self.dtype))
-        rows.index_copy_(0, at + self.layout.rows, v.reshape(-1, v.shape[-1]).to(self.dtype))
+        write_kv(rows, at, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1]), self.layout.rows)
 
     # -- quantized groups -----------------------------------------------------------------------
     def _groups(self, k: torch.Tensor, v: torch.Tensor, bits: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ class StepPlan:
     decode: list[int]                     # segments whose row attends in the batched call
     decode_rows: torch.Tensor | None      # [S_d] their rows
     tables: StepTables | None
-
+    all_decode: bool = False              # every row is one of them, in segment order
 
 class ModelRunner:
     def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, budget_bytes: int, max_seqs: int = 64):
@@ -121,7 +121,7 @@ class ModelRunner:
         if decode:
             tables = self.tables.decode_view([caches[i].slot for i in decode], self.lm.device)
             rows = torch.tensor([spans[i][0] for i in decode], device=self.lm.device)
-        return StepPlan(segments, spans, writes, decode, rows, tables)
+        return StepPlan(segments, spans, writes, decode, rows, tables, len(decode) == len(segments))
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """-> the logits of every segment's last `keep` rows, in segment order: [K, V]."""
@@ -171,6 +171,10 @@ class ModelRunner:
     def attend(self, step: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer's attention for every row of the step -> [N, H, D]."""
         self.tables.write(step.writes, layer, k, v)
+        if step.all_decode and step.tables.all_paged[layer]:        # a decode step: every row in one call
+            hk = self.lm.num_kv_heads
+            return paged_decode(q.view(-1, q.shape[1] // hk, q.shape[2]), self.pool.arena, *step.tables.layers[layer],
+                                self.layout, self.scaling).view(q.shape).to(q.dtype)
         out = torch.empty_like(q)
         batched = set()
         if step.decode:
