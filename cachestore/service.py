@@ -258,7 +258,8 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
 def build_service(cfg: CachestoreConfig, store: BlockStore | None = None) -> Service:
     """The cachestore as a kvplan Service; `store` lets tests hand in their own."""
     if store is None:
-        spill = RedisSpill(cfg.redis_url, cfg.spill_ttl_s) if cfg.redis_url else None
+        spill = RedisSpill(cfg.redis_url, cfg.spill_ttl_s, cfg.redis_max_connections,
+                           cfg.redis_pool_timeout_s) if cfg.redis_url else None
         store = BlockStore(cfg.capacity_bytes, spill=spill)
     servicer = CachestoreServicer(store)
     orphans = sweep_orphans()

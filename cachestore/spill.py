@@ -22,8 +22,10 @@ def _block_key(key: BlockKey) -> str:
 
 
 class RedisSpill:
-    def __init__(self, url: str, ttl_s: int = 3600):
-        self.r = redis.Redis.from_url(url)
+    def __init__(self, url: str, ttl_s: int = 3600, max_connections: int = 16, pool_timeout_s: float = 5.0):
+        """A bounded pool (KVPLAN_REDIS_MAX_CONNECTIONS): a call waits for a free connection."""
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=pool_timeout_s)
+        self.r = redis.Redis(connection_pool=pool)
         self.ttl_s = ttl_s
 
     def save(self, key: BlockKey, rows: Rows) -> None:

@@ -2,7 +2,8 @@
 and their refusals. The backends (`executor.memory_jobs`, `executor.redis_jobs`) import this
 module; `executor.jobqueue` opens one of them from a URL.
 
-A record holds the request, the latest `JobStatus`, an ordered event log (serialized
+Jobs wait per tenant and are claimed fairly across tenants (`executor.fairness`: deficit round
+robin by tokens, weighted per tenant). A record holds the request, the latest `JobStatus`, an ordered event log (serialized
 `JobEvent`s, replayed by WatchJob), a cancel flag and the job's tenant. All payloads are
 protobuf bytes. Admission is bounded (`Limits`): jobs waiting or running, all together and per
 tenant, and submissions per tenant per minute; a refusal is `QueueFull` with a retry-after.
@@ -56,12 +57,20 @@ class JobBackend(Protocol):
     async def ping(self) -> bool:
         """Whether the store answers (restoring the consumer group if it was lost)."""
     async def submit(self, job_id: str, request: bytes, status: bytes, tenant: str = "",
-                     limits: Limits = Limits()) -> None:
-        """Queue a job (idempotent per job_id); QueueFull when a bound refuses it."""
+                     limits: Limits = Limits(), cost: int = 1) -> None:
+        """Queue a job (idempotent per job_id); QueueFull when a bound refuses it. `cost`: its
+        tokens (prompt + max new tokens), what fair claiming counts (`executor.fairness`)."""
+    async def room(self, tenant: str, limits: Limits) -> None:
+        """QueueFull if one more job of `tenant` would pass a bound now: a cheap look before a
+        submission's work (tokenizing), so a tenant over its quota costs little (`submit` checks
+        again when it writes)."""
     async def admit(self, tenant: str, limits: Limits) -> None:
         """Count one submission of `tenant` against its rate; QueueFull past it."""
     async def tenant(self, job_id: str) -> str | None: ...
-    async def claim(self, consumer: str, block_ms: int) -> Claim | None: ...
+    async def claim(self, consumer: str, block_ms: int, exclude: frozenset[str] = frozenset()) -> Claim | None:
+        """A job to run: a dead executor's first, else the waiting job fair claiming picks across
+        the tenants not in `exclude` (those holding their share of the caller's slots); None
+        after block_ms without one."""
     async def heartbeat(self, claim: Claim, consumer: str) -> bool:
         """Keep the claim alive; False when another executor has taken the job over."""
     async def finish(self, claim: Claim, ttl_s: int) -> None: ...

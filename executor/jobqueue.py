@@ -15,18 +15,20 @@ from executor.job_backend import (PATIENCE, QUEUE_FULL_RETRY_S, Claim, JobBacken
 from executor.memory_jobs import MemoryJobs
 from executor.redis_jobs import RedisJobs
 
-# URL scheme -> (url, consumer group, claim idle ms) -> backend
-BACKENDS: dict[str, Callable[[str, str, int], JobBackend]] = {
-    "memory": lambda url, group, idle_ms: MemoryJobs(),
-    **{scheme: lambda url, group, idle_ms: RedisJobs(url, group=group, claim_idle_ms=idle_ms)
+# URL scheme -> (url, consumer group, claim idle ms, options) -> backend. Options: max_connections,
+# pool_timeout_s (Redis), weight (a tenant's share in fair claiming).
+BACKENDS: dict[str, Callable[..., JobBackend]] = {
+    "memory": lambda url, group, idle_ms, weight=None, **_: MemoryJobs(weight),
+    **{scheme: lambda url, group, idle_ms, **opts: RedisJobs(url, group=group, claim_idle_ms=idle_ms, **opts)
        for scheme in ("redis", "rediss", "unix")},
 }
 
 
-def open_backend(url: str, group: str = "executors", claim_idle_ms: int = 15000) -> JobBackend:
-    """The backend `url` names; an empty URL is the in-process one."""
+def open_backend(url: str, group: str = "executors", claim_idle_ms: int = 15000, **opts) -> JobBackend:
+    """The backend `url` names; an empty URL is the in-process one. `opts`: max_connections and
+    pool_timeout_s (the Redis pool's bounds), weight(tenant) -> its share in fair claiming."""
     scheme = urlsplit(url).scheme if url else "memory"
     make = BACKENDS.get(scheme)
     if make is None:
         raise ValueError(f"job queue URL {url!r}: scheme {scheme!r} is not one of {', '.join(sorted(BACKENDS))}")
-    return make(url, group, claim_idle_ms)
+    return make(url, group, claim_idle_ms, **opts)

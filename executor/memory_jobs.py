@@ -1,13 +1,16 @@
 """The in-process job backend (the embedded default): jobs live as long as the process, no
-crash recovery."""
+crash recovery. Waiting jobs queue per tenant and are claimed in the order the fairness policy
+gives (`executor.fairness`), as the Redis backend's are."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
+from executor.fairness import FairQueue, Waiting
 from executor.job_backend import Claim, Limits, QueueFull, check_bounds
 
 
@@ -16,6 +19,8 @@ class _Record:
     request: bytes
     status: bytes
     tenant: str = ""
+    cost: int = 1
+    seq: int = 0                     # arrival order: the tenants' heads are offered in it
     events: list[bytes] = field(default_factory=list)
     cancelled: bool = False
     expires: float | None = None
@@ -25,15 +30,18 @@ class _Record:
 class MemoryJobs:
     """In-process backend: jobs live as long as the process (no crash recovery)."""
 
-    def __init__(self):
+    def __init__(self, weight: Callable[[str], float] | None = None):
+        """weight(tenant): the tenant's share in fair claiming (default 1 each)."""
         self._jobs: dict[str, _Record] = {}
-        self._pending: asyncio.Queue[str] | None = None
+        self._waiting: dict[str, deque[str]] = {}               # tenant -> its waiting job ids, oldest first
+        self._submitted: asyncio.Event | None = None
+        self.fair = FairQueue(weight)
         self._entries = itertools.count(1)
         self._queued: Counter[str] = Counter()                  # tenant -> jobs waiting or running
         self._window: tuple[int, Counter[str]] = (0, Counter())  # (minute, submissions per tenant)
 
     async def open(self) -> None:
-        self._pending = asyncio.Queue()
+        self._submitted = asyncio.Event()
 
     async def close(self) -> None:
         pass
@@ -45,13 +53,17 @@ class MemoryJobs:
         return sum(self._queued.values())
 
     async def submit(self, job_id: str, request: bytes, status: bytes, tenant: str = "",
-                     limits: Limits = Limits()) -> None:
+                     limits: Limits = Limits(), cost: int = 1) -> None:
         if job_id in self._jobs:
             return
         check_bounds(sum(self._queued.values()), self._queued[tenant], tenant, limits)
-        self._jobs[job_id] = _Record(request, status, tenant)
+        self._jobs[job_id] = _Record(request, status, tenant, max(1, cost), next(self._entries))
         self._queued[tenant] += 1
-        await self._pending.put(job_id)
+        self._waiting.setdefault(tenant, deque()).append(job_id)
+        self._submitted.set()
+
+    async def room(self, tenant: str, limits: Limits) -> None:
+        check_bounds(sum(self._queued.values()), self._queued[tenant], tenant, limits)
 
     async def admit(self, tenant: str, limits: Limits) -> None:
         if not limits.rate_per_min:
@@ -68,13 +80,26 @@ class MemoryJobs:
         rec = self._jobs.get(job_id)
         return rec.tenant if rec else None
 
-    async def claim(self, consumer: str, block_ms: int) -> Claim | None:
-        try:
-            job_id = await asyncio.wait_for(self._pending.get(), block_ms / 1000)
-        except asyncio.TimeoutError:
-            return None
-        rec = self._jobs.get(job_id)
-        return Claim(job_id, str(next(self._entries)), 1, rec.tenant if rec else "")
+    async def claim(self, consumer: str, block_ms: int, exclude: frozenset[str] = frozenset()) -> Claim | None:
+        deadline = time.monotonic() + block_ms / 1000
+        while True:
+            heads = sorted((Waiting(ids[0], tenant, self._jobs[ids[0]].cost) for tenant, ids in self._waiting.items()
+                            if ids and tenant not in exclude), key=lambda w: self._jobs[w.key].seq)
+            pick = self.fair.pick(heads)
+            if pick is not None:
+                queue = self._waiting[pick.tenant]
+                queue.popleft()
+                if not queue:
+                    del self._waiting[pick.tenant]
+                return Claim(pick.key, str(next(self._entries)), 1, pick.tenant)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._submitted.clear()
+            try:
+                await asyncio.wait_for(self._submitted.wait(), left)
+            except asyncio.TimeoutError:
+                return None
 
     async def heartbeat(self, claim: Claim, consumer: str) -> bool:
         return True

@@ -7,7 +7,8 @@ A job's tenant is the caller's API key's (`kvplan.auth`); another tenant's job i
 Limits come before work: the text's size before tokenizing, every number before queueing, the
 tenant's rate before either, and the queue's bounds (RESOURCE_EXHAUSTED with `retry-after`
 metadata) with the write. An unreachable Redis answers UNAVAILABLE after `redis_retry_s`, and
-health says NOT_SERVING until it is back (`watch_queue`).
+health says NOT_SERVING until it is back (`executor.watchdog`). Jobs are claimed fairly across
+tenants (`executor.fairness`), each tenant weighted as the keys file says.
 """
 from __future__ import annotations
 
@@ -24,18 +25,18 @@ import torch
 
 from cachestore.client import CachestoreClient
 from executor import prompt as prompts
-from executor import validation
+from executor import validation, watchdog
 from executor.jobqueue import PATIENCE, Limits, QueueFull, QueueUnavailable, open_backend
 from executor.planner_client import PlannerClient
 from executor.prompt import Prompt
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
-from kvplan.auth import Denied, acting_tenant, caller
+from kvplan.auth import Denied, KeyRing, acting_tenant, caller
 from kvplan.model import load as load_model
-from kvplan.config import ExecutorConfig, ModelConfig
+from kvplan.config import ExecutorConfig, ModelConfig, SecurityConfig, from_env
 from kvplan.plan import full_plan
-from kvplan.serving import Service, set_health
+from kvplan.serving import Service
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 
@@ -46,7 +47,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, cfg: ExecutorConfig, model_cfg: ModelConfig):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.executor_id = cfg.executor_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.backend = open_backend(cfg.redis_url, claim_idle_ms=cfg.claim_idle_ms)
+        sec = from_env(SecurityConfig)                      # the tenants' weights in fair claiming
+        ring = KeyRing(sec.keys_file) if sec.auth_on and sec.keys_file else None
+        self.backend = open_backend(cfg.redis_url, claim_idle_ms=cfg.claim_idle_ms,
+                                    max_connections=cfg.redis_max_connections, pool_timeout_s=cfg.redis_pool_timeout_s,
+                                    weight=ring.weight if ring is not None else None)
         self.planner = PlannerClient(cfg.planner_addr, cfg.plan_deadline_s, cfg.plan_deadline_per_1k_s)
         self.engine: LLMEngine | None = None
         self.worker: Worker | None = None
@@ -166,6 +171,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             validation.check_size(req, self.cfg.max_prompt_bytes)               # before any tokenizing
             lm = self.engine.lm
             checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
+            await self.backend.room(tenant, self.limits)                          # the queue's bounds, a first look
             await self.backend.admit(tenant, self.limits)                         # the tenant's rate
             validation.check_strategy(req.strategy, await self.planner.strategies())
             prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
@@ -180,7 +186,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         req.tenant = tenant                                                       # the key's, for the worker
         job_id = uuid.uuid4().hex
         status = pb.JobStatus(job_id=job_id, state=pb.QUEUED, submitted_at=time.time())
-        await self.backend.submit(job_id, req.SerializeToString(), status.SerializeToString(), tenant, self.limits)
+        await self.backend.submit(job_id, req.SerializeToString(), status.SerializeToString(), tenant, self.limits,
+                                  cost=prompt.num_tokens + checked.max_new_tokens)
         await self.backend.append_event(job_id, pb.JobEvent(job_id=job_id, status=status).SerializeToString())
         log.info("job %s: queued for tenant %s (%d prompt tokens)", job_id, tenant, prompt.num_tokens)
         return status
@@ -221,27 +228,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     return
 
 
-async def watch_queue(backend, svc: Service, interval_s: float = 1.0) -> None:
-    """Health follows the job queue's store: NOT_SERVING while it cannot be reached (Redis down),
-    SERVING again once it answers (its consumer group made again if it was lost)."""
-    up = True
-    while True:
-        ok = await backend.ping()
-        if ok != up:
-            up = ok
-            log.warning("job queue %s: health %s", "reachable again" if ok else "unreachable",
-                        "SERVING" if ok else "NOT_SERVING")
-            await set_health(svc, ok)
-        await asyncio.sleep(interval_s)
-
-
 def build_service(cfg: ExecutorConfig, model_cfg: ModelConfig) -> Service:
     servicer = ExecutorServicer(cfg, model_cfg)
     watcher: list[asyncio.Task] = []
 
     async def warmup() -> None:
         await servicer.warmup()
-        watcher.append(asyncio.create_task(watch_queue(servicer.backend, svc)))
+        watcher.append(asyncio.create_task(watchdog.watch(servicer.backend, svc)))
 
     async def stop() -> None:
         for task in watcher:

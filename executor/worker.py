@@ -42,6 +42,7 @@ TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 MAX_PLANNING = 2          # jobs claimed and being planned, or admitted-but-waiting, at once
 IDLE_WAIT_S = 0.05        # an engine with nothing runnable looks again after this, or at news
 INTAKE_PATIENCE_S = 5.0   # how long a claim retries an unreachable Redis before the loop looks again
+TENANT_ACTIVE_S = 60.0    # a tenant with a job here this recently shares the slots (KVPLAN_TENANT_MAX_SHARE)
 
 
 class LostClaim(Exception):
@@ -81,6 +82,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._work = asyncio.Event()             # set when the engine has something new
         self._depth = 0                          # jobs waiting or running in the queue, as last counted
+        self._tenant_seen: dict[str, float] = {}  # tenant -> when it last had a job here (monotonic)
         # Every step on one thread: torch's OpenMP team belongs to the thread that calls it, and a
         # step hopping between pool threads left idle teams spinning against the working one
         # (8 full-KV jobs decoded at half the in-process rate on two cores).
@@ -110,7 +112,8 @@ class Worker:
                 if not self._room():
                     await asyncio.sleep(0.05)
                     continue
-                claim = await self.backend.claim(self.executor_id, block_ms=500)
+                full = self._full_tenants()
+                claim = await self.backend.claim(self.executor_id, block_ms=100 if full else 500, exclude=full)
                 if claim is not None:
                     asyncio.create_task(self._start(claim))
             except asyncio.CancelledError:
@@ -127,6 +130,23 @@ class Worker:
         wait for bytes or a plan (the rest stay in the queue for other executors)."""
         waiting = sum(1 for j in self.jobs.values() if j.seq is None or j.seq.t_admitted is None)
         return len(self.jobs) < self.cfg.max_seqs and waiting < MAX_PLANNING
+
+    def _full_tenants(self) -> frozenset[str]:
+        """Tenants holding their share of this executor's job slots (KVPLAN_TENANT_MAX_SHARE of
+        KVPLAN_MAX_SEQS) while other tenants use it too (had a job here in the last
+        TENANT_ACTIVE_S): their waiting jobs are left in the queue, so the slots left stay free
+        for the others — a tenant that floods the queue cannot take every slot and make the next
+        tenant's job wait for one of its jobs to end (issue 33). A tenant alone may take them all."""
+        now = time.monotonic()
+        held: dict[str, int] = {}
+        for job in self.jobs.values():
+            held[job.claim.tenant] = held.get(job.claim.tenant, 0) + 1
+            self._tenant_seen[job.claim.tenant] = now
+        for tenant in [t for t, seen in self._tenant_seen.items() if now - seen > TENANT_ACTIVE_S]:
+            del self._tenant_seen[tenant]
+        if len(self._tenant_seen) < 2:
+            return frozenset()
+        return frozenset(t for t, n in held.items() if n >= self.cfg.tenant_max_jobs)
 
     async def _engine_loop(self) -> None:
         while True:

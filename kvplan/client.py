@@ -1,13 +1,20 @@
-"""Client SDK: submit jobs, stream their events, manage planner strategies. Synchronous gRPC."""
+"""Client SDK: submit jobs, stream their events, manage planner strategies. Synchronous gRPC.
+
+An executor address may name several executors (`HOST:PORT,HOST:PORT`, KVPLAN_EXECUTOR_ADDR): a
+job lives in the job queue they share, so when the stream of the executor answering it breaks
+(that executor died), `follow` re-attaches to the job with `WatchJob` on the next one, in turn,
+with backoff — wherever the job is re-run — and marks where its replayed events start (REPLAY)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 from google.protobuf import json_format
 
 from kvplan.channels import client_channel
+from kvplan.config import addresses
 from kvplan.serving import channel_options
 from protos import common_pb2, executor_pb2, executor_pb2_grpc, planner_pb2, planner_pb2_grpc
 
@@ -54,6 +61,51 @@ def result_dict(result: executor_pb2.JobResult) -> dict:
     return d
 
 
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+REPLAY = executor_pb2.JobEvent()      # `follow`'s marker: the job's events start again (a re-attach)
+TERMINAL = (executor_pb2.DONE, executor_pb2.FAILED, executor_pb2.CANCELLED)
+
+
+def executor_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
+    """`HOST:PORT`, `HOST:PORT,HOST:PORT` or a list of them, as a tuple."""
+    if isinstance(address, str):
+        return addresses(address, "executor address")
+    return tuple(address)
+
+
+def follow(stubs: Sequence[executor_pb2_grpc.ExecutorStub], req: executor_pb2.GenerateRequest, timeout_s: float,
+           reattach: int = 5, first: int = 0, sleep=time.sleep) -> Iterator[executor_pb2.JobEvent]:
+    """`Generate` on stubs[first], then the job's events until its result or its terminal status.
+    A stream that breaks while the job runs re-attaches with `WatchJob` on the next executor (in
+    turn, with backoff, at most `reattach` times in a row), yielding REPLAY before the replayed
+    events; a call that fails before the job exists with UNAVAILABLE (nothing listens there)
+    goes to the next executor. Other errors, and the last one, raise `grpc.RpcError`."""
+    i, job_id, tries, untried = first, "", 0, len(stubs) - 1
+    call = stubs[i].Generate(req, timeout=timeout_s)
+    while True:
+        try:
+            for ev in call:
+                job_id, tries = ev.job_id, 0
+                yield ev
+                kind = ev.WhichOneof("kind")
+                if kind == "result" or (kind == "status" and ev.status.state in TERMINAL):
+                    return
+            raise ConnectionError(f"job {job_id}: the stream ended without a result")
+        except grpc.RpcError as e:
+            if not job_id and e.code() == grpc.StatusCode.UNAVAILABLE and untried:
+                untried -= 1                           # no job yet: submit to the next executor
+                i = (i + 1) % len(stubs)
+                call = stubs[i].Generate(req, timeout=timeout_s)
+                continue
+            if not job_id or e.code() not in RETRY_CODES or tries >= reattach:
+                raise
+            tries += 1
+            sleep(min(10.0, 0.5 * 2 ** tries))
+            i = (i + 1) % len(stubs)
+            call = stubs[i].WatchJob(executor_pb2.JobRef(job_id=job_id), timeout=timeout_s)
+            yield REPLAY
+
+
 @dataclass
 class Stream:
     """What a client assembles from a job's events (it restarts when the attempt changes)."""
@@ -68,12 +120,18 @@ class Stream:
 class _Client:
     stub_class = None
 
-    def __init__(self, address: str):
-        self.channel = client_channel(address, options=channel_options())   # TLS and KVPLAN_API_KEY from the env
-        self.stub = self.stub_class(self.channel)
+    def __init__(self, address: str | Sequence[str]):
+        """address: HOST:PORT, or several (comma-separated, or a list): calls go to the first, a
+        broken job stream re-attaches on the others."""
+        self.addresses = executor_addresses(address)
+        # TLS and KVPLAN_API_KEY from the env
+        self.channels = [client_channel(a, options=channel_options()) for a in self.addresses]
+        self.stubs = [self.stub_class(ch) for ch in self.channels]
+        self.channel, self.stub = self.channels[0], self.stubs[0]
 
     def close(self) -> None:
-        self.channel.close()
+        for ch in self.channels:
+            ch.close()
 
     def __enter__(self):
         return self
@@ -85,9 +143,9 @@ class _Client:
 class ExecutorClient(_Client):
     stub_class = executor_pb2_grpc.ExecutorStub
 
-    def __init__(self, address: str, timeout_s: float = 3600.0):
+    def __init__(self, address: str | Sequence[str], timeout_s: float = 3600.0, reattach: int = 5):
         super().__init__(address)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.reattach = timeout_s, reattach
 
     def generate(self, req: executor_pb2.GenerateRequest) -> Iterator[executor_pb2.JobEvent]:
         return self.stub.Generate(req, timeout=self.timeout_s)
@@ -105,9 +163,10 @@ class ExecutorClient(_Client):
         return self.stub.CancelJob(executor_pb2.JobRef(job_id=job_id), timeout=30)
 
     def run(self, req: executor_pb2.GenerateRequest, on_event=None) -> Stream:
-        """Generate and collect: the final text and result, calling on_event(stream, event) per event."""
+        """Generate and collect: the final text and result, calling on_event(stream, event) per event
+        (REPLAY too, when a broken stream re-attached: the job's events start again)."""
         st = Stream()
-        for ev in self.generate(req):
+        for ev in follow(self.stubs, req, self.timeout_s, self.reattach):
             fold(st, ev)
             if on_event:
                 on_event(st, ev)
@@ -115,6 +174,9 @@ class ExecutorClient(_Client):
 
 
 def fold(st: Stream, ev: executor_pb2.JobEvent) -> None:
+    if ev is REPLAY:                                    # every attempt's events again, from the first
+        st.attempt, st.text = 0, ""
+        return
     st.job_id = ev.job_id
     if ev.attempt > st.attempt:
         st.attempt, st.text = ev.attempt, ""

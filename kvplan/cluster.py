@@ -44,7 +44,11 @@ def _free_port() -> int:
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server could listen on `port` now. SO_REUSEADDR, as the servers bind (gRPC and
+    uvicorn set it): a port whose last connections linger in TIME_WAIT after `kvplan down` is
+    free — without it `kvplan up` said "port 8000 is taken" for up to a minute."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -67,12 +71,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
+class Unhealthy(RuntimeError):
+    """A `kvplan up` cluster is up (some of its processes live) but its executor does not serve."""
+
+
 def running_executor(cfg: ClusterConfig, model_cfg: ModelConfig) -> str | None:
-    """The executor address of a healthy `kvplan up` cluster, if there is one."""
-    for m in read_members(state_dir(cfg, model_cfg)):
-        if m.name == "executor" and _alive(m.pid) and check_health(m.address) == "SERVING":
-            return m.address
-    return None
+    """The executor address of the `kvplan up` cluster; None when no cluster is up (no state, or
+    every process of it gone). `Unhealthy` when one is up but its executor does not answer
+    SERVING: the CLI says so, rather than running a job elsewhere without the cluster's keys."""
+    members = read_members(state_dir(cfg, model_cfg))
+    alive = [m for m in members if _alive(m.pid)]
+    if not alive:
+        return None
+    health = {m.name: member_health(m) if m.name != "redis" else "UP" for m in alive}
+    executor = next((m for m in alive if m.name == "executor"), None)
+    if executor is not None and health["executor"] == "SERVING":
+        return executor.address
+    rows = ", ".join(f"{m.name} {health.get(m.name, 'DEAD') if _alive(m.pid) else 'DEAD'}" for m in members)
+    raise Unhealthy(f"cluster unhealthy ({rows}; state in {state_dir(cfg, model_cfg)}): `kvplan status` shows "
+                    "it, the logs are in the state dir; `kvplan down` stops it")
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], d: Path) -> subprocess.Popen:

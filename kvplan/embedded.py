@@ -14,10 +14,12 @@ class Embedded:
     """`with Embedded() as e: ExecutorClient(e.executor_addr)`. Starts in a background thread."""
 
     def __init__(self, model_cfg: ModelConfig | None = None, ready_timeout_s: float = 600.0,
-                 planner_addr: str | None = None):
-        """planner_addr: use that planner instead of starting one here."""
+                 planner_addr: str | None = None, redis_url: str = ""):
+        """planner_addr: use that planner instead of starting one here; redis_url: keep the job
+        queue in that Redis (default: in process)."""
         self.model_cfg = model_cfg or from_env(ModelConfig)
         self.external_planner = planner_addr
+        self.redis_url = redis_url
         self.ready_timeout_s = ready_timeout_s
         self.addresses: dict[str, str] = {}
         self._loop = asyncio.new_event_loop()
@@ -48,7 +50,7 @@ class Embedded:
             self._thread.join(10)
 
     async def _start(self) -> None:
-        # In-process everything: no Redis, ephemeral ports, no metrics HTTP servers.
+        # In-process everything: no Redis (unless asked for the queue), ephemeral ports, no metrics HTTP servers.
         from executor.service import build_service as executor_service
 
         local = dict(host="127.0.0.1", port=0, metrics_port=0)
@@ -59,7 +61,7 @@ class Embedded:
             await self._add("planner", launch.build("planner", pcfg), pcfg)
         ccfg = dataclasses.replace(from_env(CachestoreConfig), **local)
         await self._add("cachestore", launch.build("cachestore", ccfg), ccfg)
-        ecfg = dataclasses.replace(from_env(ExecutorConfig), redis_url="", planner_addr=self.planner_addr,
+        ecfg = dataclasses.replace(from_env(ExecutorConfig), redis_url=self.redis_url, planner_addr=self.planner_addr,
                                    cachestore_addr=self.addresses["cachestore"], **local)
         await self._add("executor", executor_service(ecfg, self.model_cfg), ecfg)
         for _, svc in self._servers:

@@ -26,7 +26,9 @@ class BadFlag(ValueError):
 
 @contextlib.contextmanager
 def executor_address(ccfg: ClusterConfig, mcfg: ModelConfig, quiet: bool):
-    """An explicit KVPLAN_EXECUTOR_ADDR, else a running `kvplan up` cluster, else embedded."""
+    """An explicit KVPLAN_EXECUTOR_ADDR, else a running `kvplan up` cluster, else embedded. A
+    cluster that is up but unhealthy is an error (`cluster.Unhealthy`, exit 1), never a reason to
+    run the job elsewhere: the embedded default has none of the cluster's keys or settings."""
     from kvplan import cluster
     if "KVPLAN_EXECUTOR_ADDR" in os.environ:
         yield from_env(ClientConfig).executor_addr
@@ -83,9 +85,15 @@ def _adaptive(r) -> str:
 
 
 def embedded_default(ccfg: ClusterConfig, mcfg: ModelConfig) -> bool:
-    """Whether `generate` would run the embedded default (no address set, no cluster up)."""
+    """Whether `generate` would run the embedded default (no address set, no cluster up); an
+    unhealthy cluster is not (`executor_address` says so, after the request's own checks)."""
     from kvplan import cluster
-    return "KVPLAN_EXECUTOR_ADDR" not in os.environ and cluster.running_executor(ccfg, mcfg) is None
+    if "KVPLAN_EXECUTOR_ADDR" in os.environ:
+        return False
+    try:
+        return cluster.running_executor(ccfg, mcfg) is None
+    except cluster.Unhealthy:
+        return False
 
 
 def checked_request(args, text: str, embedded: bool):

@@ -1,4 +1,4 @@
-"""`kvplan keys add --tenant T --role user|admin [--file F]`: make an API key, print it once, and
+"""`kvplan keys add --tenant T --role user|admin [--weight W] [--file F]`: make an API key, print it once, and
 add its hash to the keys file (KVPLAN_AUTH_KEYS_FILE, else the `kvplan up` cluster's). Servers
 read the file again when it changes: the key works at once, no restart."""
 from __future__ import annotations
@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     k.add_argument("action", choices=["add"])
     k.add_argument("--tenant", required=True, help="the tenant the key acts for (letters, digits, _ . -)")
     k.add_argument("--role", choices=auth.ROLES, default="user", help="user (default) or admin")
+    k.add_argument("--weight", type=float, default=None,
+                   help="the tenant's share in fair admission (default 1; a tenant of weight 2 gets twice the tokens "
+                        "of one of weight 1 while both wait)")
     k.add_argument("--file", type=Path, default=None,
                    help="the keys file (default: KVPLAN_AUTH_KEYS_FILE, else the `kvplan up` cluster's)")
 
@@ -31,7 +34,7 @@ def run(args, state: Path, usage_error) -> int:
     """`usage_error`: the CLI's exception for bad input (exit code 2)."""
     path = keys_file(args, state)
     try:
-        key = auth.add_key(path, args.tenant, args.role)
+        key = auth.add_key(path, args.tenant, args.role, weight=args.weight)
     except ValueError as e:
         raise usage_error(f"keys add --{e}") from None
     print(key)

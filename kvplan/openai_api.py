@@ -26,8 +26,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from kvplan.openai_errors import ApiError, bad  # noqa: F401  (api.ApiError: the gateway's errors)
 from protos import common_pb2, executor_pb2
 
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 KV_FIELDS = ("kv_strategy", "kv_ratio", "kv_tokens", "kv_budget", "kv_question")
 # executor field names (INVALID_ARGUMENT details) -> the request's own names
 PARAMS = {"max_new_tokens": "max_tokens", "budget.reserve_ratio": "kv_ratio", "budget.kv_tokens": "kv_tokens",
@@ -35,31 +37,33 @@ PARAMS = {"max_new_tokens": "max_tokens", "budget.reserve_ratio": "kv_ratio", "b
 FINISH = {"eos": "stop", "length": "length"}
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+def check_utf8(value: Any, path: str) -> None:
+    """Every string in `value` (a JSON body, walked) is valid UTF-8: a lone surrogate (`"\\ud800"`)
+    decodes from JSON into text no UTF-8 encoder takes. 400 naming the first one's path."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(path or "body", "not valid UTF-8 text (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_utf8(k, path)
+            check_utf8(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_utf8(v, f"{path}[{i}]")
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+def _in_range(param: str, value: int | None, lo: int, hi: int) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise bad(param, f"must be in [{lo}, {hi}], got {value}")
 
 
 class RequestBody(BaseModel):
     # OpenAI clients send fields kvplan does not use (user, metadata, ...): accepted, except
-    # misspelt kvplan fields (kv_*), which would otherwise be silently ignored.
-    model_config = ConfigDict(extra="allow")
+    # misspelt kvplan fields (kv_*), which would otherwise be silently ignored. Strict types:
+    # JSON's own (a number is not "0.5", a boolean is not a number), as OpenAI's API checks them.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = ""
     max_tokens: int | None = None
@@ -85,6 +89,7 @@ class RequestBody(BaseModel):
 
 
 class _Message(BaseModel):
+    model_config = ConfigDict(strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -151,12 +156,12 @@ def _budget(body: RequestBody) -> common_pb2.Budget:
             raise bad("kv_budget.kv_tokens", f"must be an integer, got {tokens!r}")
     param = "kv_budget" if body.kv_budget is not None else None
     if ratio is not None:
-        if not 0.0 < ratio <= 1.0:
+        if not 0.0 < ratio <= 1.0:                      # (NaN too)
             raise bad(f"{param}.reserve_ratio" if param else "kv_ratio", f"must be in (0, 1], got {ratio:g}")
         return common_pb2.Budget(reserve_ratio=ratio)
     if tokens is not None:
-        if tokens < 1:
-            raise bad(f"{param}.kv_tokens" if param else "kv_tokens", f"must be >= 1, got {tokens}")
+        if not 1 <= tokens <= INT64_MAX:
+            raise bad(f"{param}.kv_tokens" if param else "kv_tokens", f"must be >= 1 and at most 2^63 - 1, got {tokens}")
         return common_pb2.Budget(kv_tokens=tokens)
     return common_pb2.Budget()
 
@@ -170,10 +175,12 @@ def _adaptive(a: Any) -> common_pb2.Budget:
     return common_pb2.Budget(adaptive=common_pb2.Adaptive(floor_ratio=floor))
 
 
-def _request(body: RequestBody, max_tokens: int | None) -> executor_pb2.GenerateRequest:
+def _request(body: RequestBody, max_tokens: int | None, param: str = "max_tokens") -> executor_pb2.GenerateRequest:
+    check_utf8(body.model_dump(exclude_unset=True), "")
     _unsupported(body)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad("max_tokens", f"must be >= 1, got {max_tokens}")
+    _in_range(param, max_tokens, 1, INT32_MAX)
+    if len(body.kv_strategy) > 128:
+        raise bad("kv_strategy", f"must be at most 128 characters, got {len(body.kv_strategy)}")
     if body.temperature is not None and not body.temperature >= 0:
         raise bad("temperature", f"must be >= 0, got {body.temperature:g}")
     if body.top_p is not None and not 0 < body.top_p <= 1:
@@ -194,7 +201,10 @@ def _request(body: RequestBody, max_tokens: int | None) -> executor_pb2.Generate
 
 
 def chat_request(body: ChatBody) -> executor_pb2.GenerateRequest:
-    req = _request(body, body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
+    if body.max_completion_tokens is not None:
+        req = _request(body, body.max_completion_tokens, "max_completion_tokens")
+    else:
+        req = _request(body, body.max_tokens)
     if not body.messages:
         raise bad("messages", "must not be empty")
     req.messages.extend(common_pb2.ChatMessage(role=m.role, content=_text(m.content, i))

@@ -5,7 +5,8 @@ import sys
 
 from tqdm import tqdm
 
-from kvplan.client import Stream
+from kvplan.attempts import AttemptText
+from kvplan.client import REPLAY, Stream
 
 PROGRESS_MIN_TOKENS = 1024      # shorter prompts prefill in a blink: no bar
 
@@ -15,8 +16,12 @@ class EventPrinter:
         self.stream_text, self.progress = stream_text, progress
         self.bar: tqdm | None = None
         self.attempt = 0
+        self.text = AttemptText()          # a re-attach replays the job's events: print what is new only
 
     def __call__(self, st: Stream, ev) -> None:
+        if ev is REPLAY:
+            self.text.replay()
+            return
         kind = ev.WhichOneof("kind")
         if ev.attempt > self.attempt:
             if self.attempt:
@@ -29,8 +34,9 @@ class EventPrinter:
             self.bar.update(ev.progress.done - self.bar.n)
         elif kind == "delta":
             self._close_bar()
-            if self.stream_text:
-                sys.stdout.write(ev.delta.text)
+            new = self.text.feed(ev.attempt, ev.delta.text)
+            if self.stream_text and new:
+                sys.stdout.write(new)
                 sys.stdout.flush()
 
     def _close_bar(self) -> None:

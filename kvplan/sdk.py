@@ -9,27 +9,24 @@
 
 A job survives the executor that held it; so does a call here: if the stream breaks while the
 job runs (the executor answering it went away), the client re-attaches to the job (`WatchJob`,
-which replays it) and goes on from where it was, and a re-run's text is never yielded twice
-(`kvplan.attempts`). A sampled request without a seed gets one, so a re-run replays the same
+which replays it) on the next executor it knows (`Client("host1:50052,host2:50052")`, or a
+list; each in turn, the one that broke last) and goes on from where it was, and a re-run's text
+is never yielded twice (`kvplan.attempts`). A sampled request without a seed gets one, so a re-run replays the same
 text. Bad input raises `ValueError` naming the field; a job that fails raises `JobFailed`.
 """
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 
 from kvplan.attempts import AttemptText
-from kvplan.client import request
+from kvplan.client import REPLAY, executor_addresses, follow, request
 from kvplan.serving import channel_options
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
-
-RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-REPLAY = pb.JobEvent()          # _events' marker: the job's events start again (a re-attach)
 
 
 class JobFailed(RuntimeError):
@@ -114,22 +111,25 @@ class Streaming:
 
 
 class Client:
-    def __init__(self, address: str | None = None, api_key: str | None = None, timeout_s: float = 3600.0,
-                 reattach: int = 5):
-        """address: an executor's HOST:PORT (default KVPLAN_EXECUTOR_ADDR, or 127.0.0.1:50052);
+    def __init__(self, address: str | Sequence[str] | None = None, api_key: str | None = None,
+                 timeout_s: float = 3600.0, reattach: int = 5):
+        """address: an executor's HOST:PORT, or several (comma-separated, or a list: a broken
+        stream re-attaches on the others; default KVPLAN_EXECUTOR_ADDR, or 127.0.0.1:50052);
         api_key: sent as `authorization: Bearer <key>` (default KVPLAN_API_KEY); TLS as
-        KVPLAN_TLS_* say (`kvplan.channels`); reattach: how many times a broken stream
+        KVPLAN_TLS_* say (`kvplan.channels`); reattach: how many times in a row a broken stream
         re-attaches to its job (with backoff) before the error is raised."""
         import dataclasses
         from kvplan.channels import client_channel
         from kvplan.config import ClientConfig, SecurityConfig, from_env
-        self.address = address or from_env(ClientConfig).executor_addr
+        self.addresses = executor_addresses(address or from_env(ClientConfig).executor_addr)
+        self.address = self.addresses[0]
         self.timeout_s, self.reattach = timeout_s, reattach
         sec = from_env(SecurityConfig)
         if api_key is not None:
             sec = dataclasses.replace(sec, api_key=api_key)
-        self._channel = client_channel(self.address, options=channel_options(), sec=sec)
-        self._stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        self._channels = [client_channel(a, options=channel_options(), sec=sec) for a in self.addresses]
+        self._stubs = [executor_pb2_grpc.ExecutorStub(ch) for ch in self._channels]
+        self._stub = self._stubs[0]
 
     def generate(self, prompt: str = "", **kw) -> Result:
         """Run one job and return its Result. Keywords: messages, question, strategy, ratio,
@@ -153,41 +153,31 @@ class Client:
                                        reserve_ratio=ratio, kv_tokens=kv_tokens))
 
     def _events(self, req: pb.GenerateRequest) -> Iterator[pb.JobEvent]:
-        """The job's events until its result; re-attaches to the job when the stream breaks."""
-        job_id, tries = "", 0
-        call = self._stub.Generate(req, timeout=self.timeout_s)
-        while True:
-            try:
-                for ev in call:
-                    job_id, tries = ev.job_id, 0
-                    yield ev
-                    kind = ev.WhichOneof("kind")
-                    if kind == "result":
-                        return
-                    if kind == "status" and ev.status.state == pb.DONE and ev.status.HasField("result"):
-                        yield pb.JobEvent(job_id=job_id, attempt=ev.attempt, result=ev.status.result)
-                        return                  # (its event log expired: the status carries the result)
-                    if kind == "status" and ev.status.state in (pb.FAILED, pb.CANCELLED):
-                        raise JobFailed(ev.status)
-                raise ConnectionError(f"job {job_id}: the stream ended without a result")
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ValueError(e.details()) from None
-                if not job_id or e.code() not in RETRY_CODES or tries >= self.reattach:
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and not job_id:
-                        raise ConnectionError(f"no executor answers at {self.address} ({e.details()}); "
-                                              "`kvplan up` starts a local cluster") from None
-                    raise
-                tries += 1
-                time.sleep(min(10.0, 0.5 * 2 ** tries))
-                call = self._stub.WatchJob(pb.JobRef(job_id=job_id), timeout=self.timeout_s)
-                yield REPLAY
+        """The job's events until its result; re-attaches to the job when the stream breaks
+        (`kvplan.client.follow`), REPLAY marking where its events start again."""
+        try:
+            for ev in follow(self._stubs, req, self.timeout_s, self.reattach):
+                yield ev
+                kind = ev.WhichOneof("kind") if ev is not REPLAY else None
+                if kind == "status" and ev.status.state == pb.DONE and ev.status.HasField("result"):
+                    yield pb.JobEvent(job_id=ev.job_id, attempt=ev.attempt, result=ev.status.result)
+                    return                      # (its event log expired: the status carries the result)
+                if kind == "status" and ev.status.state in (pb.FAILED, pb.CANCELLED):
+                    raise JobFailed(ev.status)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise ConnectionError(f"no executor answers at {', '.join(self.addresses)} ({e.details()}); "
+                                      "`kvplan up` starts a local cluster") from None
+            raise
 
     def cancel(self, job_id: str) -> None:
         self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30)
 
     def close(self) -> None:
-        self._channel.close()
+        for ch in self._channels:
+            ch.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -102,9 +102,12 @@ async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True,
     the env): API keys checked by the `auth.Gate` interceptor, TLS from PEM files.
     """
     security = security or from_env(SecurityConfig)
-    options = [*channel_options(cfg.max_message_mb)[:1], ("grpc.max_receive_message_length", cfg.max_receive_bytes)]
-    server = grpc.aio.server(options=options,
-                             interceptors=[_MetricsInterceptor(svc.name), auth.Gate(auth.keyring(security))])
+    # no SO_REUSEPORT: a second server on a taken port fails, instead of sharing it unseen (grpc
+    # sets SO_REUSEADDR itself, so a port in TIME_WAIT after `kvplan down` binds at once)
+    options = [*channel_options(cfg.max_message_mb)[:1], ("grpc.max_receive_message_length", cfg.max_receive_bytes),
+               ("grpc.so_reuseport", 0)]
+    gate = auth.Gate(auth.keyring(security), cfg.max_request_bytes)
+    server = grpc.aio.server(options=options, interceptors=[_MetricsInterceptor(svc.name), gate])
     svc.register(server)
     health_pb2_grpc.add_HealthServicer_to_server(svc.health, server)
     reflection.enable_server_reflection([reflection.SERVICE_NAME, health.SERVICE_NAME, *svc.full_names], server)

@@ -2,7 +2,7 @@
 so planner replicas agree. Definitions are stored as canonical JSON text, keyed by name."""
 from __future__ import annotations
 
-import redis.asyncio as aioredis
+from kvplan.redis_pool import bounded
 
 ACTIVE_KEY = "kvplan:planner:active_strategy"
 DEFINITIONS_KEY = "kvplan:planner:definitions"     # hash: name -> definition JSON
@@ -51,8 +51,8 @@ class RedisActive:
     """The active strategy in one Redis key, the definitions in one hash; the first planner up
     seeds the active key with its default."""
 
-    def __init__(self, url: str, default: str):
-        self._r = aioredis.from_url(url)
+    def __init__(self, url: str, default: str, max_connections: int = 16, pool_timeout_s: float = 5.0):
+        self._r = bounded(url, max_connections, pool_timeout_s)
         self._default = default
 
     async def get(self) -> str:
@@ -83,5 +83,5 @@ class RedisActive:
         await self._r.aclose()
 
 
-def open_active(redis_url: str, default: str):
-    return RedisActive(redis_url, default) if redis_url else MemoryActive(default)
+def open_active(redis_url: str, default: str, max_connections: int = 16, pool_timeout_s: float = 5.0):
+    return RedisActive(redis_url, default, max_connections, pool_timeout_s) if redis_url else MemoryActive(default)

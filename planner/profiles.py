@@ -10,7 +10,8 @@ and a hash of sums per key) so planner replicas share them."""
 from __future__ import annotations
 
 import numpy as np
-import redis.asyncio as aioredis
+
+from kvplan.redis_pool import bounded
 
 PREFIX = "kvplan:planner:profile:"
 
@@ -54,8 +55,8 @@ class RedisProfiles:
     """Per key: `<prefix><key>:jobs` (INCR) and `<prefix><key>:sum` (hash: "n" and one field per
     layer, incremented together in one transaction)."""
 
-    def __init__(self, url: str):
-        self._r = aioredis.from_url(url)
+    def __init__(self, url: str, max_connections: int = 16, pool_timeout_s: float = 5.0):
+        self._r = bounded(url, max_connections, pool_timeout_s)
 
     async def next_job(self, k: str) -> int:
         return int(await self._r.incr(PREFIX + k + ":jobs")) - 1
@@ -78,5 +79,5 @@ class RedisProfiles:
         await self._r.aclose()
 
 
-def open_profiles(redis_url: str):
-    return RedisProfiles(redis_url) if redis_url else MemoryProfiles()
+def open_profiles(redis_url: str, max_connections: int = 16, pool_timeout_s: float = 5.0):
+    return RedisProfiles(redis_url, max_connections, pool_timeout_s) if redis_url else MemoryProfiles()

@@ -43,8 +43,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if cfg.default_strategy not in STRATEGIES:
             raise ValueError(f"KVPLAN_DEFAULT_STRATEGY={cfg.default_strategy!r} is not a strategy ({_known(STRATEGIES)})")
         self.cfg = cfg
-        self.active = open_active(cfg.redis_url, cfg.default_strategy)
-        self.profiles = profiles.open_profiles(cfg.redis_url)
+        self.active = open_active(cfg.redis_url, cfg.default_strategy, cfg.redis_max_connections,
+                                  cfg.redis_pool_timeout_s)
+        self.profiles = profiles.open_profiles(cfg.redis_url, cfg.redis_max_connections, cfg.redis_pool_timeout_s)
         self._prober = prober                      # planner.probe.Prober, made on the first probe
         self._built: dict[str, Strategy] = {}      # definition JSON -> its strategy
         self._tasks: set[asyncio.Task] = set()     # background probes of sampled profile jobs

@@ -2,7 +2,8 @@
 
 - an executor killed while it holds a job: a second executor re-claims and finishes it, and
   the client watching the job gets the result;
-- `kvplan up` / `generate` / `down` from the CLI: the answer, and no process left behind.
+- `kvplan up` / `generate` / `down` from the CLI: the answer, and no process left behind; then
+  `up` again at once on the same ports, with the key `kvplan keys add` made still valid.
 """
 import json
 import os
@@ -134,6 +135,8 @@ def test_kvplan_up_generate_down(tmp_path, real_model_dir):
         bad = _kvplan("generate", "--ratio", "1.5", "hi", env=env)
         assert bad.returncode == 2 and "--ratio: must be in (0, 1]" in bad.stderr
         _the_http_api_answers(f"127.0.0.1:{env['KVPLAN_HTTP_PORT']}", tmp_path / "state")
+        added = _kvplan("keys", "add", "--tenant", "acme", env=env)
+        assert added.returncode == 0, added.stderr
     finally:
         down = _kvplan("down", env=env)
     assert down.returncode == 0, down.stderr
@@ -142,6 +145,24 @@ def test_kvplan_up_generate_down(tmp_path, real_model_dir):
              and psutil.Process(m["pid"]).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"still running after `kvplan down`: {alive}"
     assert _kvplan("status", env=env).returncode == 1
+    # issue 33: up again at once on the same ports (TIME_WAIT is no "port taken"), and the key
+    # added with `kvplan keys add` still works (`up` used to make the keys file anew)
+    again = _kvplan("up", env=env)
+    try:
+        assert again.returncode == 0, again.stderr
+        _the_key_works(f"127.0.0.1:{env['KVPLAN_HTTP_PORT']}", added.stdout.strip())
+    finally:
+        assert _kvplan("down", env=env).returncode == 0
+
+
+def _the_key_works(address: str, key: str) -> None:
+    import openai
+    got = openai.OpenAI(base_url=f"http://{address}/v1", api_key=key, max_retries=0, timeout=300).completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Say hi.", max_tokens=2)
+    assert got.usage.completion_tokens >= 1                                  # acme's job ran
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{address}/v1", api_key="kvp_not-a-key", max_retries=0).completions.create(
+            model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)
 
 
 def _the_http_api_answers(address: str, state: Path) -> None:

@@ -2,7 +2,7 @@
 
 Over the real model (the embedded services): a streamed chat completion under `auto` at 0.2
 reads usage.kv_bytes < usage.full_kv_bytes; a completion, the model list, SSE lines through
-curl, a client that goes away cancelling its job. Over a scripted executor (no model): bad
+curl, a client that goes away cancelling its job (streamed or not). Over a scripted executor (no model): bad
 input in OpenAI's error shape before any job exists, executor errors mapped to HTTP statuses,
 the Authorization header forwarded as gRPC metadata, a re-run's text not streamed twice."""
 from __future__ import annotations
@@ -107,6 +107,26 @@ def test_a_client_that_goes_away_cancels_its_job(real_api, embedded):
     assert status.state == pb.CANCELLED and status.generated_tokens < 400
 
 
+def _ended(state: str) -> float:
+    """Jobs the in-process executor ended in `state`, all strategies together."""
+    from prometheus_client import REGISTRY
+    return sum(s.value for m in REGISTRY.collect() if m.name == "kvplan_executor_jobs"
+               for s in m.samples if s.name == "kvplan_executor_jobs_total" and s.labels.get("state") == state)
+
+
+def test_a_client_that_goes_away_before_a_whole_answer_cancels_its_job(real_api):
+    """Not streamed (issue 33): the job stopped at once instead of running its 400 tokens for nobody."""
+    body = {"model": MODEL, "max_tokens": 400, "temperature": 0,
+            "messages": [{"role": "user", "content": "Write a long story about a dragon who learns to sing."}]}
+    cancelled, done = _ended("CANCELLED"), _ended("DONE")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{real_api}/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=3))
+    deadline = time.monotonic() + 60
+    while _ended("CANCELLED") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ended("CANCELLED") == cancelled + 1 and _ended("DONE") == done
+
+
 # ---- a scripted executor -------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, param, words", [
@@ -152,14 +172,18 @@ def test_unknown_model_is_404_and_a_malformed_body_400(fake):
     (grpc.StatusCode.UNAUTHENTICATED, "no API key", 401, None),
     (grpc.StatusCode.PERMISSION_DENIED, "admin only", 403, None),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 429, None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (1200000 vs. 1114112)", 413, None),
     (grpc.StatusCode.UNAVAILABLE, "executor is warming up", 503, None),
 ])
 def test_executor_errors_become_http_statuses(fake, code, details, status, param):
-    fake.script.reject = (code, details)
+    # a queue bound says when to retry (429 with Retry-After); a request too large never fits (413)
+    retry = (("retry-after", "2"),) if details == "queue full" else ()
+    fake.script.reject = (code, details, retry)
     raw = httpx.post(f"{fake.url}/v1/chat/completions",
                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     err = raw.json()["error"]
     assert raw.status_code == status and err["param"] == param and err["code"] == code.name.lower()
+    assert raw.headers.get("retry-after") == ("2" if status == 429 else None)
     assert err["message"].endswith(details.partition(": ")[2] if param else details) or "kvplan up" in err["message"]
 
 

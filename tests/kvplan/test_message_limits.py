@@ -1,0 +1,75 @@
+"""Per-role request limits on every service (issue 33), over real gRPC with API keys: a user key's
+request above its role's limit is RESOURCE_EXHAUSTED before it is decoded — the planner decoded a
+52 MB Plan from a user key before refusing it (+550 MB RSS), because its one receive limit had to
+hold an executor's prefill statistics. The limits are the ones docs/security.md states."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import psutil
+import pytest
+
+from kvplan.config import CachestoreConfig, ExecutorConfig, PlannerConfig
+from tests.kvplan.test_auth import Services, channel, keys  # noqa: F401  (the keys fixture)
+
+
+def _plan_bytes(n_tokens: int) -> bytes:
+    """A serialized PlanRequest of `n_tokens` token ids (packed, one byte each): built as bytes,
+    so the test itself never holds them as a message."""
+    payload = b"\x01" * n_tokens
+    length, size = b"", len(payload)
+    while True:
+        byte, size = size & 0x7F, size >> 7
+        length += bytes([byte | (0x80 if size else 0)])
+        if not size:
+            break
+    return b"\x42" + length + payload                            # field 8 (token_ids), length-delimited
+
+
+def _call(addr: str, key: str, method: str, raw: bytes):
+    rpc = channel(addr, key).unary_unary(method, request_serializer=None, response_deserializer=None)
+    t0 = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as e:
+        rpc(raw, timeout=30)
+    return e.value, time.perf_counter() - t0
+
+
+@pytest.fixture
+def services(keys):  # noqa: F811
+    s = Services(keys[0])
+    yield s
+    s.stop()
+
+
+def test_the_documented_limits(monkeypatch):
+    planner, executor = PlannerConfig(), ExecutorConfig()
+    assert planner.max_request_bytes("user") == 8 * 131072 + (1 << 20) == 2 << 20          # 2 MiB
+    assert planner.max_request_bytes("admin") == planner.max_receive_bytes == 256 << 20    # statistics
+    assert executor.max_request_bytes("user") == executor.max_request_bytes("admin") == 2 * (512 << 10) + (64 << 10)
+    assert CachestoreConfig().max_request_bytes("user") == 256 << 20                     # KV payloads
+
+
+def test_a_user_keys_huge_plan_is_refused_before_it_is_decoded(services, keys):  # noqa: F811
+    _, made = keys
+    raw = _plan_bytes(52 << 20)
+    rss = psutil.Process().memory_info().rss
+    err, took = _call(services.addr["planner"], made["a"], "/kvplan.v1.Planner/Plan", raw)
+    grown = psutil.Process().memory_info().rss - rss
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+    assert "more than the 2097152 a user key may send" in err.details()
+    assert took < 1.0 and grown < 200 << 20, (took, grown >> 20)
+    # an admin key (the executor's, with statistics) may send more: decoded, then refused by field
+    err, _ = _call(services.addr["planner"], made["admin"], "/kvplan.v1.Planner/Plan", _plan_bytes(3 << 20))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("model"), err.details()
+    # a user's request within its limit is read as before
+    err, _ = _call(services.addr["planner"], made["a"], "/kvplan.v1.Planner/Plan", _plan_bytes(1 << 20))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_cachestore_takes_kv_payloads_of_every_role(services, keys):  # noqa: F811
+    """A user's Put of 3 MB is no size error on the cachestore (its payloads are KV rows)."""
+    _, made = keys
+    raw = b"\x0a" + b"\x80\x80\xc0\x01" + b"x" * (3 << 20)          # field 1, 3 MiB long
+    err, took = _call(services.addr["cachestore"], made["a"], "/kvplan.v1.CacheStore/Register", raw)
+    assert err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED and took < 1.0
