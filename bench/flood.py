@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import openai
 
-from kvplan import auth, cluster
+from kvplan import cluster, keyfile
 from kvplan.client import request
 from kvplan.config import ClusterConfig, ModelConfig, from_env
 from protos import executor_pb2 as pb
@@ -144,8 +144,8 @@ async def _states(addr: str, admin: str, job_ids: list[str]) -> dict[str, str]:
 
 async def _scenario(args, members, state: Path) -> dict:
     addr = {m.name: m.address for m in members}
-    keys = {t: auth.add_key(state / auth.KEYS_FILE, t, "user") for t in (*LIGHT, FLOOD)}
-    admin = (state / auth.ADMIN_KEY_FILE).read_text().strip()
+    keys = {t: keyfile.add_key(state / keyfile.KEYS_FILE, t, "user") for t in (*LIGHT, FLOOD)}
+    admin = (state / keyfile.ADMIN_KEY_FILE).read_text().strip()
     time.sleep(1.2)                                            # the servers read the keys file again
     load = Load(addr["executor"], addr["http"], keys, args.new_tokens)
     try:

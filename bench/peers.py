@@ -52,7 +52,7 @@ def rows(args) -> list[dict]:
         for r in serve["runs"]:
             name = r["strategy"] if r["strategy"] in ("full", "adaptive") else f"{r['strategy']} {r['ratio']:g}"
             out.append(dict(engine=f"kvplan {name}", kv="fp16" if r["strategy"] == "full" else f"{r['measured_ratio']:.2f} of fp16",
-                            decoding=r["most_decoding"], decode_tps=r["decode_tps"], output_tps=r["output_tps"],
+                            decoding=int(r["most_decoding"]), decode_tps=r["decode_tps"], output_tps=r["output_tps"],
                             ttft_p50=r["ttft"][0], correct=f"{r['correct']}/{r['requests']}"))
     for path in args.vllm:
         v = json.loads(Path(path).read_text())

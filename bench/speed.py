@@ -253,9 +253,15 @@ def main(argv=None) -> None:
     ap.add_argument("--prefetch-wait", type=float, default=0.05,
                     help="offload plans: how long a step waits for a late prefetch (the `wait` policy), seconds")
     ap.add_argument("--out", type=Path, help="results folder (default bench/results, --quick: bench/results/quick)")
+    ap.add_argument("--steps", action="store_true",
+                    help="only a decode step's time at --seqs sequences of 1-token contexts and where it goes (bench.steps)")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4, 16], help="--steps: sequences decoding at once")
+    ap.add_argument("--reps", type=int, default=30, help="--steps: steps timed per count")
     ap.add_argument("--overhead-only", action="store_true",
                     help="only what auto's statistics add to the executor's prefill, per length")
     args = ap.parse_args(argv)
+    if args.steps:
+        return step_scaling(args)
     args.lengths = args.lengths or ([1024] if args.quick else [1024, 2048, 4096])
     args.new_tokens = args.new_tokens or (16 if args.quick else 64)
     args.repeats = args.repeats or (1 if args.quick else 2)
@@ -310,6 +316,20 @@ def main(argv=None) -> None:
     print("\nauto planned from the executor's prefill statistics (no probe)\n")
     print(statistics_overhead_table(stats_rows))
     print(f"\n{out_dir / 'speed.json'}")
+
+
+def step_scaling(args) -> None:
+    from bench import steps
+    from kvplan import model as models
+    from kvplan.config import ModelConfig
+    lm = models.load(from_env(ModelConfig))
+    rows = [steps.measure(lm, n, args.reps) for n in args.seqs]
+    out_dir = args.out or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "steps.json").write_text(json.dumps(dict(bench="steps", machine=platform.machine(), torch=torch.__version__,
+                                                        threads=torch.get_num_threads(), rows=rows,
+                                                        when=time.strftime("%Y-%m-%d %H:%M")), indent=1))
+    print(steps.table(rows) + f"\n\n{out_dir / 'steps.json'}")
 
 
 if __name__ == "__main__":

@@ -105,9 +105,9 @@ class CachestoreClient:
 
 class ShmHandle(JobHandle):
     """`one_sided` (default): a prefetch gathers the rows straight from the mapped segment (an
-    RDMA-style read by offset, ~tens of µs a layer) and the cachestore only hears one `Stats`
+    RDMA-style read by offset: no call per layer) and the cachestore only hears one `Stats`
     call per decode step, which tells a dead cachestore from a live one; otherwise every layer's
-    prefetch is a `PrefetchLayer` call that gathers into the segment's staging slot (~1 ms)."""
+    prefetch is a `PrefetchLayer` call that gathers into the segment's staging slot."""
 
     def __init__(self, client: CachestoreClient, tenant: str, job_id: str, seg: Segment, one_sided: bool = True):
         super().__init__(transport="shm")

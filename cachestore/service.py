@@ -23,7 +23,7 @@ from cachestore.keys import BlockKey, JobKey
 from cachestore.segment import Layout, NoSpace, Segment, segment_name, sweep_orphans
 from cachestore.spill import RedisSpill
 from cachestore.store import BlockStore, CapacityError, StaleAttempt
-from kvplan import auth
+from kvplan.auth import Denied, acting_tenant, caller
 from cachestore import wire
 from cachestore.tensor_codec import NAMES, decode, encode
 from kvplan.config import CachestoreConfig
@@ -52,12 +52,12 @@ COUNTERS = {
 
 def block_key(msg: cachestore_pb2.BlockKey) -> BlockKey:
     """Wire key -> BlockKey of the caller's tenant; ValueError names the field ("key.tenant: must
-    not be empty"), auth.Denied a user key naming another tenant."""
-    return BlockKey(auth.acting_tenant(msg.tenant, "", "key.tenant"), msg.job_id, msg.layer, msg.kv_head)
+    not be empty"), `Denied` a user key naming another tenant."""
+    return BlockKey(acting_tenant(msg.tenant, "", "key.tenant"), msg.job_id, msg.layer, msg.kv_head)
 
 
 def _job(tenant: str, job_id: str) -> JobKey:
-    return JobKey(auth.acting_tenant(tenant, ""), job_id)
+    return JobKey(acting_tenant(tenant, ""), job_id)
 
 
 CHUNK_BYTES = 4 << 20        # GetStream: bytes of K (and of V) per message
@@ -211,8 +211,8 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
         """Totals (an admin's, without a tenant), or a tenant's or a job's; a user key sees its own
         tenant's only."""
         def stats():
-            everyone = not request.tenant and auth.caller().role == "admin"
-            tenant = "" if everyone else auth.acting_tenant(request.tenant, "")
+            everyone = not request.tenant and caller().role == "admin"
+            tenant = "" if everyone else acting_tenant(request.tenant, "")
             if tenant and request.job_id:                     # a handle's liveness call: the job is alive
                 self.store.touch(JobKey(tenant, request.job_id))
             return self.store.stats(tenant, request.job_id)
@@ -230,7 +230,7 @@ class CachestoreServicer(cachestore_pb2_grpc.CacheStoreServicer):
             result = await asyncio.to_thread(fn)
         except (CapacityError, NoSpace) as e:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-        except auth.Denied as e:
+        except Denied as e:
             code, message = grpc.StatusCode.PERMISSION_DENIED, str(e)
         except StaleAttempt as e:
             code, message = grpc.StatusCode.FAILED_PRECONDITION, str(e)

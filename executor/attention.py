@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcore import attention as dispatch
-from kvcore.attention import NAME, causal_attention  # noqa: F401  (the layers import it from here)
 
 
 @contextlib.contextmanager

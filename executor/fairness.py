@@ -77,6 +77,20 @@ class FairQueue:
                 self._skip_rounds(heads)            # rounds in which nobody could pay, at once
                 passes = 0
 
+    def peek(self, waiting: Sequence[Waiting]) -> Waiting | None:
+        """What `pick` would give now, leaving every deficit and turn as it was."""
+        saved = (collections.deque(self._ring), dict(self._deficit), self._in_turn)
+        try:
+            return self.pick(waiting)
+        finally:
+            self._ring, self._deficit, self._in_turn = saved
+
+    def unpick(self, item: Waiting) -> None:
+        """`item`, picked, was not admitted after all (it did not fit): its tenant gets its tokens back
+        and keeps its turn, so the next `pick` offers it again."""
+        if item.tenant in self._deficit:
+            self._deficit[item.tenant] += max(1, item.cost)
+
     def deficits(self) -> dict[str, float]:
         """Each waiting tenant's deficit (tokens), for logs and tests."""
         return dict(self._deficit)

@@ -3,15 +3,14 @@
     ""  or  memory://            in process (`executor.memory_jobs`: the embedded default)
     redis:// rediss:// unix://   Redis Streams with a consumer group (`executor.redis_jobs`)
 
-The interface and the types both backends share live in `executor.job_backend` (re-exported
-here), so neither backend imports this module."""
+The interface and the types both backends share live in `executor.job_backend`, so neither
+backend imports this module."""
 from __future__ import annotations
 
 from typing import Callable
 from urllib.parse import urlsplit
 
-from executor.job_backend import (PATIENCE, QUEUE_FULL_RETRY_S, Claim, JobBackend, Limits, QueueFull,  # noqa: F401
-                                  QueueUnavailable, check_bounds)
+from executor.job_backend import JobBackend
 from executor.memory_jobs import MemoryJobs
 from executor.redis_jobs import RedisJobs
 

@@ -17,14 +17,16 @@ class Prompt:
         return len(self.context_ids) + len(self.question_ids)
 
 
-def build(tokenizer, messages: list[dict[str, str]], question: str = "") -> Prompt:
+def build(tokenizer, messages: list[dict[str, str]], question: str = "", raw: bool = False) -> Prompt:
     """`messages`: chat turns, the last one the user's. Without a chat template, their contents
-    are joined as plain text."""
-    if getattr(tokenizer, "chat_template", None):
+    are joined as plain text. `raw`: one message, the model's input as it is — no template, the
+    question appended as it is too (OpenAI's and vLLM's completions: the prompt is the text to
+    continue)."""
+    if not raw and getattr(tokenizer, "chat_template", None):
         return _chat(tokenizer, messages, question)
     text = "\n\n".join(m["content"] for m in messages)
     context = tokenizer(text, add_special_tokens=True)["input_ids"]
-    q = tokenizer("\n\n" + question, add_special_tokens=False)["input_ids"] if question else []
+    q = tokenizer(("" if raw else "\n\n") + question, add_special_tokens=False)["input_ids"] if question else []
     return Prompt(context, q)
 
 

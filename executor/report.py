@@ -1,7 +1,8 @@
 """A finished job's `JobResult`: what it generated, the bytes its cache's tensors hold against the
 full fp16 cache (per layer), its timings, what an offload plan transferred, and the plan's own
 figures (its verdict on the budget, its predicted worst step); an adaptive job's ratio and reason
-as first planned, and each shrink of its running cache since."""
+as first planned, and each shrink of its running cache since; its tokens' log-probabilities when
+it asked (`token_logprobs`, also what each streamed delta carries)."""
 from __future__ import annotations
 
 import time
@@ -35,7 +36,8 @@ def job_result(run: RunResult, seq: Sequence, outcome, executor_id: str, storage
         budget_reason=outcome.plan.budget_reason,
         shrinks=[pb.Shrink(ratio=s.ratio, generated_tokens=s.generated_tokens, kv_bytes_before=s.kv_bytes_before,
                            kv_bytes_after=s.kv_bytes_after, reserved_before=s.reserved_before,
-                           reserved_after=s.reserved_after) for s in seq.shrinks])
+                           reserved_after=s.reserved_after) for s in seq.shrinks],
+        logprobs=token_logprobs(seq.tokenizer, zip(seq.generated, seq.logprobs)))
     if plan.budget_met is not None:
         result.budget_met = plan.budget_met
     return result
@@ -50,3 +52,15 @@ def _offload_stats(report: dict | None) -> pb.OffloadStats | None:
         recent_window=part["recent_window"], host_kv_bytes=st["bytes_put"], prefetches=st["prefetches"],
         in_time=st["in_time"], late=st["late"], bytes_fetched=st["bytes_fetched"], stall_s=st["stall_s"],
         error=report["error"], rerank=part["rerank"])
+
+
+def token_logprobs(tokenizer, entries) -> list[pb.TokenLogprob]:
+    """(token id, (its log-probability, top ids, their log-probabilities)) per token — the
+    engine's `Output.logprob` beside its token — as protos, each token with its text alone."""
+    return [pb.TokenLogprob(token_id=tok, token=_text(tokenizer, tok), logprob=lp,
+                            top=[pb.TopLogprob(token_id=t, token=_text(tokenizer, t), logprob=v) for t, v in zip(ids, vals)])
+            for tok, (lp, ids, vals) in entries]
+
+
+def _text(tokenizer, tok: int) -> str:
+    return tokenizer.decode([tok])

@@ -77,7 +77,7 @@ class Runner:
             emit: Callable[[str, object], None] = lambda kind, x: None,
             cancelled: Callable[[], bool] = lambda: False, prefix: Prefix | None = None,
             store: JobHandle | None = None, budget: float | None = None, measure_recall: bool = False) -> RunResult:
-        """emit("progress", (done, total)) per prefill part; emit("delta", (text, ids)) per token.
+        """emit("progress", (done, total)) per prefill part; emit("delta", (text, ids, logprobs)) per token.
         `prefix`: this prompt's leading chunks already prefilled (`prefix_of`), used when it seeds.
         Offload plans: `store` is the job's cachestore handle (the caller releases it; None: an
         in-process one, released when the job ends), `budget` the job's reserve ratio the offload

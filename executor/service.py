@@ -26,13 +26,15 @@ import torch
 from cachestore.client import CachestoreClient
 from executor import prompt as prompts
 from executor import validation, watchdog
-from executor.jobqueue import PATIENCE, Limits, QueueFull, QueueUnavailable, open_backend
+from executor.job_backend import PATIENCE, Limits, QueueFull, QueueUnavailable
+from executor.jobqueue import open_backend
 from executor.planner_client import PlannerClient
 from executor.prompt import Prompt
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
-from kvplan.auth import Denied, KeyRing, acting_tenant, caller
+from kvplan.auth import Denied, acting_tenant, caller
+from kvplan.keyfile import KeyRing
 from kvplan.model import load as load_model
 from kvplan.config import ExecutorConfig, ModelConfig, SecurityConfig, from_env
 from kvplan.plan import full_plan
@@ -89,7 +91,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         cfg, dtype = self.cfg, getattr(torch, self.model_cfg.storage_dtype)
         budget = KVBudget(cfg.kv_budget_bytes or default_budget(cfg.kv_budget_share))
         engine = LLMEngine(lm, dtype, budget, cfg.max_batched_tokens, cfg.max_seqs, cfg.prefill_chunk,
-                           cfg.prefetch_wait_s)
+                           cfg.prefetch_wait_s, tenant_weight=self.backend.fair.weight)   # the queue's weights
         full_4k = engine.reservation(full_plan(lm.num_layers, "sizing"), Prompt(list(range(4096)), []), Sampling(1))
         log.info("KV budget %.2f GiB%s: %d full-KV 4k-token jobs at once (at most %d jobs)", budget.total / 2**30,
                  "" if cfg.kv_budget_bytes else f" ({cfg.kv_budget_share:.0%} of the memory available)",
@@ -174,7 +176,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             await self.backend.room(tenant, self.limits)                          # the queue's bounds, a first look
             await self.backend.admit(tenant, self.limits)                         # the tenant's rate
             validation.check_strategy(req.strategy, await self.planner.strategies())
-            prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
+            prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question, checked.raw)
             validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
             self._check_budget(prompt, checked, req.strategy)
         except OverBudget as e:

@@ -13,6 +13,8 @@ ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 1024
 MAX_NAME = 128                  # strategy and profile names
 TEMPERATURE = (1e-3, 100.0)     # a positive temperature's range (0: greedy); 1e-40 would divide logits to inf
+MAX_STOPS, MAX_STOP_CHARS = 16, 256     # stop sequences: each is searched for in the text at every token
+MAX_TOP_LOGPROBS = 20                   # OpenAI's bound on top_logprobs
 
 
 def check_size(req: executor_pb2.GenerateRequest, max_bytes: int) -> None:
@@ -40,12 +42,17 @@ class Checked:
     seed: int | None
     reserve_ratio: float | None
     kv_tokens: int | None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None     # set: the tokens' log-probabilities, with this many top tokens
+    raw: bool = False                   # the prompt is the model's input as it is (no chat template)
 
 
 def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int, max_context: int | None = None) -> Checked:
     """Every field but the prompt's length (`check_length`); `max_context` bounds max_new_tokens."""
     if req.prompt and req.messages:
         raise InvalidRequest("messages", "give prompt or messages, not both")
+    if req.raw_prompt and req.messages:
+        raise InvalidRequest("raw_prompt", "a raw prompt is `prompt` text; messages take the chat template")
     if req.messages:
         for i, m in enumerate(req.messages):
             if m.role not in ROLES:
@@ -70,9 +77,17 @@ def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int, max_co
     top_p = req.top_p if req.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p:g}")
+    if len(req.stop) > MAX_STOPS:
+        raise InvalidRequest("stop", f"at most {MAX_STOPS} stop sequences, got {len(req.stop)}")
+    for i, stop in enumerate(req.stop):
+        if not 1 <= len(stop) <= MAX_STOP_CHARS:
+            raise InvalidRequest(f"stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters, got {len(stop)}")
+    k = req.top_logprobs if req.HasField("top_logprobs") else None
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
     ratio, tokens = validate_budget(req.budget)
     return Checked(messages, n, float(req.temperature), float(top_p),
-                   req.seed if req.HasField("seed") else None, ratio, tokens)
+                   req.seed if req.HasField("seed") else None, ratio, tokens, tuple(req.stop), k, req.raw_prompt)
 
 
 def check_length(prompt: Prompt, max_new_tokens: int, max_context: int) -> None:

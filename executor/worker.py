@@ -25,10 +25,10 @@ from executor import prompt as prompts
 from executor import validation
 from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
 from executor.engine.result import run_result
-from executor.jobqueue import PATIENCE, Claim, JobBackend, QueueUnavailable
+from executor.job_backend import PATIENCE, Claim, JobBackend, QueueUnavailable
 from executor.metrics import JOBS, QUEUE_DEPTH, observe_finished, observe_usage
 from executor.planner_client import PlanOutcome, PlannerClient
-from executor.report import job_result
+from executor.report import job_result, token_logprobs
 from kvcore import statistics
 from kvcore.statistics import LayerStatistics
 from kvplan.config import ExecutorConfig
@@ -43,11 +43,6 @@ MAX_PLANNING = 2          # jobs claimed and being planned, or admitted-but-wait
 IDLE_WAIT_S = 0.05        # an engine with nothing runnable looks again after this, or at news
 INTAKE_PATIENCE_S = 5.0   # how long a claim retries an unreachable Redis before the loop looks again
 TENANT_ACTIVE_S = 60.0    # a tenant with a job here this recently shares the slots (KVPLAN_TENANT_MAX_SHARE)
-
-
-class LostClaim(Exception):
-    """Another executor took the job over, or this one is shutting down: write nothing, and
-    leave the queue entry un-acked so that a live executor re-claims it."""
 
 
 @dataclass
@@ -85,7 +80,7 @@ class Worker:
         self._tenant_seen: dict[str, float] = {}  # tenant -> when it last had a job here (monotonic)
         # Every step on one thread: torch's OpenMP team belongs to the thread that calls it, and a
         # step hopping between pool threads left idle teams spinning against the working one
-        # (8 full-KV jobs decoded at half the in-process rate on two cores).
+        # (docs/benchmarks.md, "Figures behind the code").
         self._stepper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplan-engine")
 
     # -- the loops ------------------------------------------------------------------------------
@@ -208,6 +203,7 @@ class Worker:
             job.seq = await self._sequence(job, pb.GenerateRequest.FromString(raw_req))
         except (InvalidRequest, OverBudget) as e:
             job.status.error = str(e)
+            job.status.error_field = getattr(e, "field", "")     # bad input: the field at fault
             return await self._close(job, pb.FAILED)
         except Exception as e:
             log.exception("job %s failed before it ran", job_id)
@@ -219,9 +215,10 @@ class Worker:
     async def _sequence(self, job: Job, req: pb.GenerateRequest) -> Sequence:
         lm, job_id = self.lm, job.claim.job_id
         checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
-        prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question)
+        prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question, checked.raw)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
-        sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed, req.ignore_eos)
+        sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed, req.ignore_eos,
+                            checked.stop, checked.top_logprobs)
         job.plan_call = functools.partial(self.planner.plan, job_id, req.tenant, req.strategy, req.budget, req.profile,
                                           len(prompt.context_ids), lm, suffix_tokens=len(prompt.question_ids),
                                           new_tokens=checked.max_new_tokens)
@@ -242,7 +239,7 @@ class Worker:
             ratio = plan.budget_ratio if plan is not None and plan.budget_reason else \
                 _budget_ratio(req.budget, prompt.num_tokens)
             return self.engine.sequence(prompt, plan, sampling, emit=emit, cancelled=job.stop.is_set, store=store,
-                                        ratio=ratio, job_id=job_id,
+                                        ratio=ratio, job_id=job_id, tenant=job.claim.tenant,
                                         statistics=statistics)
         except Exception:
             if store is not None:
@@ -263,7 +260,9 @@ class Worker:
                     ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
                 else:
                     job.tokens += len(payload[1])
-                    ev = pb.JobEvent(delta=pb.TokenDelta(text=payload[0], token_ids=payload[1]))
+                    text, ids, lps = payload
+                    ev = pb.JobEvent(delta=pb.TokenDelta(text=text, token_ids=ids,
+                                                         logprobs=token_logprobs(self.lm.tokenizer, zip(ids, lps))))
                 ev.job_id, ev.attempt = job.claim.job_id, job.claim.attempt
                 if not job.lost:
                     await self.backend.append_event(job.claim.job_id, ev.SerializeToString())
@@ -287,6 +286,7 @@ class Worker:
         except Exception as e:                        # refused, or the planner failed: the job fails, says why
             log.warning("job %s: no plan for its statistics (%s)", job.claim.job_id, e)
             job.status.error = str(e) if isinstance(e, InvalidRequest) else f"planning failed: {type(e).__name__}: {e}"
+            job.status.error_field = e.field if isinstance(e, InvalidRequest) else ""
             job.failed = True
             job.stop.set()
             self._work.set()

@@ -1,7 +1,7 @@
 """The CPU kernels' C++ (`kernels/cpu_decode.cpp`: attention; `kernels/cpu_decoder_ops.cpp`: the
 decoder's per-row ops), compiled once per machine with torch's
-cpp_extension and cached in TORCH_EXTENSIONS_DIR (~1 min the first time; a changed source
-rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
+cpp_extension and cached in TORCH_EXTENSIONS_DIR (the first time takes a compiler's minute;
+a changed source rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
 first decode waits for a compiler. Where no compiler is, `module()` is None and the launchers
 (`kernels.dense_decode`, `kernels.quant_decode`) take their torch references."""
 from __future__ import annotations
@@ -24,6 +24,7 @@ def module():
             if not _MODULE:
                 try:
                     from torch.utils.cpp_extension import load
+                    log.info("loading the CPU decode kernels (the first run compiles them)")
                     _MODULE.append(load("kvplan_cpu_decode", sources=[str(x) for x in SOURCES],
                                         extra_cflags=["-O3", "-march=native", "-fopenmp"],   # at::parallel_for is
                                         extra_ldflags=["-fopenmp"], verbose=False))           # OpenMP: torch's libgomp

@@ -14,8 +14,7 @@ reads the 4-byte copy: 5 bytes of traffic per cached element instead of 2.
                 pool. AVX2 + F16C + FMA for h <= 8 query heads per KV head and D in 32..128; any
                 other shape runs a scalar loop of the same math. Optional per-group masks
                 [h, T] (GQA `repeat` eviction: each query head sees its own rows).
-                Measured here: 240 calls (8 sequences x 30 layers, 2k rows, 3 KV heads, h 3, D 64)
-                52 ms against 75-80 ms for torch's convert + SDPA.
+                Faster than torch's convert + SDPA (docs/benchmarks.md, "Figures behind the code").
     launcher    `dense_decode_groups` (a list of groups) and `dense_decode` (one layer's
                 [G, T, D] rows): check shapes and dtypes, else the reference
     reference   `dense_decode_reference`: the same math in plain torch (fp32 SDPA)

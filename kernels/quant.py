@@ -338,8 +338,8 @@ def unpack_dequantize_reference(
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., B] uint8 -> [..., B·P] fp32, the P codes of each byte low bits first. Below 8
-    bits each byte's codes come from a [256, P] table (an embedding lookup: ~3x faster on CPU than
-    indexing the table); at 8 bits a byte is its code (a plain conversion, ~80x faster than the lookup)."""
+    bits each byte's codes come from a [256, P] table (an embedding lookup: faster on CPU than
+    indexing the table); at 8 bits a byte is its code (a plain conversion, faster still)."""
     if bits == 8:
         return codes.float()
     q = torch.nn.functional.embedding(codes.int(), _code_table(bits, codes.device))   # [..., B, P]

@@ -2,9 +2,9 @@
 
 A quant layer's groups each keep their newest rows dense in storage grown `kvcore.cost.TAIL_CHUNK`
 rows at a time. Written from Python that is a convert, slices and copies per group, per K and V,
-at every layer of every sequence, and a new storage every 8 steps: at 16 sequences ~80 ms of a
-~450 ms step here (torch's per-op overhead, not bytes). One call per layer writes every group's
-rows, growing the tails that are full.
+at every layer of every sequence, and a new storage every 8 steps: a sizeable share of a
+16-sequence step in torch's per-op overhead, not bytes (docs/benchmarks.md, "Figures behind the
+code"). One call per layer writes every group's rows, growing the tails that are full.
 
     kernel      C++ (`kernels/cpu_decode.cpp`, `append_tails`; built by `kernels.cpu_extension`):
                 checks shapes, dtypes and room, then converts each row to fp16 (round to nearest

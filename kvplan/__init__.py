@@ -4,12 +4,12 @@
     kvplan.pipeline()                     the whole system in this process (kvplan.inprocess)
 """
 __version__ = "0.1.0"
-__all__ = ["Client", "Result", "JobFailed", "pipeline", "__version__"]
+__all__ = ["AuthenticationError", "Client", "Result", "JobFailed", "pipeline", "__version__"]
 
 
 def __getattr__(name: str):
     # imported on first use: `kvplan --version` and the services never load the SDK
-    if name in ("Client", "Result", "JobFailed"):
+    if name in ("AuthenticationError", "Client", "Result", "JobFailed"):
         from kvplan import sdk
         return getattr(sdk, name)
     if name == "pipeline":

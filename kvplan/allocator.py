@@ -3,10 +3,9 @@
 On CPU every attention call converts a layer's fp16 K/V to the compute dtype in a fresh tensor
 (a few MB at 2k tokens), and freed once attention ends. glibc's default returns such freed
 memory to the OS (trims the heap top, or unmaps chunks above its mmap threshold), so the next
-call faults in fresh zeroed pages: measured on this 2-core CPU, 8 sequences × 30 layers × 2k
-tokens of fp16 K/V, convert + SDPA per decode step, 321 ms with the default policy and 111 ms
-when freed memory stays in the heap (an fp32 cache with no conversion: 99 ms). Holding it costs
-nothing the process did not already reach: resident memory stays at the step's high-water mark."""
+call faults in fresh zeroed pages, several times the step's arithmetic (docs/benchmarks.md,
+"Figures behind the code"). Holding it costs nothing the process did not already reach:
+resident memory stays at the step's high-water mark."""
 from __future__ import annotations
 
 import ctypes

@@ -8,6 +8,7 @@ shows only the rest. A greedy job (or one with a seed) replays the same text, so
 sees one uninterrupted answer; one whose new text differs from what was shown raises
 `Diverged` — the shown text cannot be taken back (the SDK and the HTTP gateway pick a seed for
 sampled requests, so this needs a model or executor change between the attempts).
+`AttemptItems` does the same for what comes one per token (log-probabilities): by count.
 """
 from __future__ import annotations
 
@@ -50,4 +51,34 @@ class AttemptText:
         if not text.startswith(self.shown):
             return ""
         new, self.shown = text[len(self.shown):], text
+        return new
+
+
+class AttemptItems:
+    """Per-token items (a delta's log-probabilities) as a client shows them across attempts: a
+    later attempt's first items are the ones already shown (the same tokens, replayed), so
+    only those past the shown count are new."""
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.seen = 0            # the current attempt's items so far
+        self.shown = 0           # items the reader has seen (across attempts)
+
+    def replay(self) -> None:
+        self.attempt, self.seen = 0, 0
+
+    def feed(self, attempt: int, items: list) -> list:
+        """Add one delta's items of `attempt`; -> those to show now."""
+        if attempt > self.attempt:
+            self.attempt, self.seen = attempt, 0
+        elif attempt < self.attempt:
+            return []
+        start, self.seen = self.seen, self.seen + len(items)
+        new = items[max(0, self.shown - start):]
+        self.shown = max(self.shown, self.seen)
+        return new
+
+    def finish(self, items: list) -> list:
+        """The job's every item (its result): -> those not shown yet."""
+        new, self.shown = items[self.shown:], max(self.shown, len(items))
         return new

@@ -20,10 +20,7 @@ import grpc
 import redis.exceptions
 from google.protobuf.message import DecodeError
 
-# the keys file's part (re-exported: servers, the CLI and tests reach them through this module)
-from kvplan.keyfile import (ADMIN_KEY_FILE, KEY_PREFIX, KEYS_FILE, ROLES, TENANT, Identity, KeyRing,  # noqa: F401
-                            add_key, check_services_key, check_tenant, check_weight, cluster_keys, hash_key,
-                            keyring, new_key, printable, read_keys, use_cluster_key)
+from kvplan.keyfile import Identity, KeyRing, check_tenant, printable
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ADMIN_METHODS = frozenset({"/kvplan.v1.Planner/SetStrategy", "/kvplan.v1.Planner/DeleteStrategy"})

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 
 from kvplan import __version__
-from kvplan import auth, keyscmd
+from kvplan import keyfile, keyscmd
 from kvplan.config import ClientConfig, ClusterConfig, ConfigError, ModelConfig, from_env
 
 
@@ -56,11 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     budget.add_argument("--budget", choices=["adaptive"], default=None,
                         help="adaptive: the largest reserve ratio the executor's free KV memory leaves room for "
                              "(1.0 when idle), not below --floor")
-    g.add_argument("--floor", type=float, default=0.0, help="with --budget adaptive: the lowest reserve ratio")
+    g.add_argument("--floor", type=float, default=None,
+                   help="with --budget adaptive (only): the lowest reserve ratio (default 0: none)")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before the first TEXT generated (repeatable)")
     g.add_argument("--tenant", default="")
     g.add_argument("--json", action="store_true", help="print one JSON object with the result statistics")
     g.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
@@ -137,7 +140,7 @@ def _dispatch(args) -> int:
         return 0
     from kvplan import cluster
     ccfg, mcfg = from_env(ClusterConfig), from_env(ModelConfig)
-    auth.use_cluster_key(cluster.state_dir(ccfg, mcfg))     # no KVPLAN_API_KEY: the `kvplan up` admin key
+    keyfile.use_cluster_key(cluster.state_dir(ccfg, mcfg))     # no KVPLAN_API_KEY: the `kvplan up` admin key
     if args.cmd == "keys":
         return keyscmd.run(args, cluster.state_dir(ccfg, mcfg), UsageError)
     if args.cmd == "up":
@@ -234,7 +237,7 @@ def _strategies(args) -> int:
 
 def _definition_file(name: str | None) -> str:
     """The text of a definition file, checked here (the planner checks it again)."""
-    from planner.request import InvalidRequest
+    from kvcore.request import InvalidRequest
     from planner.strategies import parse
     if not name:
         raise UsageError("strategies define: give a definition FILE (JSON or YAML)")
@@ -251,22 +254,30 @@ def _definition_file(name: str | None) -> str:
 
 def _plan(args, mcfg: ModelConfig) -> int:
     from kvplan import planview
-    try:
+    from kvplan.ticker import Ticker
+    with Ticker("planning", lines=False) as ticker:          # a status line on a terminal: loading, probing
+        try:
+            if args.plot:
+                ticker.say("loading matplotlib")
+                planview.need_matplotlib()
+            text = None
+            if args.prompt_file is not None:
+                args.prompt = None
+                text = _read_prompt(args)
+            plan, prompt_tokens, refused = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens,
+                                                          text, args.predict, args.new_tokens, say=ticker.say)
+        except planview.BadInput as e:
+            raise UsageError(str(e)) from None
+        ticker.echo(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))
+        if refused:                          # the plan is shown; a job asking this budget would be refused
+            ticker.echo(f"kvplan: warning: a job asking this would be refused: {refused}", sys.stderr)
         if args.plot:
-            planview.need_matplotlib()
-        text = None
-        if args.prompt_file is not None:
-            args.prompt = None
-            text = _read_prompt(args)
-        plan, prompt_tokens = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens, text,
-                                             args.predict, args.new_tokens)
-    except planview.BadInput as e:
-        raise UsageError(str(e)) from None
-    print(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))
+            ticker.say(f"drawing {args.plot}")
+            asked = f"ratio {args.ratio:g}" if args.ratio is not None else f"{args.kv_tokens} KV tokens"
+            planview.plot(plan, prompt_tokens, args.plot,
+                          asked + (f", {args.new_tokens} new tokens" if args.new_tokens else ""))
     if args.plot:
-        asked = f"ratio {args.ratio:g}" if args.ratio is not None else f"{args.kv_tokens} KV tokens"
-        planview.plot(plan, prompt_tokens, args.plot,
-                      asked + (f", {args.new_tokens} new tokens" if args.new_tokens else ""))
+        print(f"kvplan: wrote {args.plot} ({ticker.elapsed_s:.0f}s)", file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 
 from kvplan.channels import client_channel
 from kvplan.config import addresses
@@ -23,9 +24,13 @@ def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, q
             max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
             seed: int | None = None, strategy: str = "", reserve_ratio: float | None = None,
             kv_tokens: int | None = None, tenant: str = "", profile: str = "",
-            ignore_eos: bool = False, adaptive: bool = False, floor_ratio: float = 0.0) -> executor_pb2.GenerateRequest:
+            ignore_eos: bool = False, adaptive: bool = False, floor_ratio: float = 0.0,
+            stop: Sequence[str] = (), top_logprobs: int | None = None,
+            raw_prompt: bool = False) -> executor_pb2.GenerateRequest:
     """adaptive: the largest reserve ratio the executor's load leaves room for, not below
-    `floor_ratio` (instead of reserve_ratio / kv_tokens)."""
+    `floor_ratio` (instead of reserve_ratio / kv_tokens); stop: stop sequences; top_logprobs:
+    each token's log-probability and this many top tokens' (0: the token's alone); raw_prompt:
+    the prompt is the model's input as it is (no chat template)."""
     budget = common_pb2.Budget()
     if adaptive:
         budget.adaptive.floor_ratio = floor_ratio
@@ -35,8 +40,10 @@ def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, q
         budget.kv_tokens = kv_tokens
     req = executor_pb2.GenerateRequest(
         prompt=prompt, question=question, temperature=temperature, strategy=strategy, budget=budget,
-        tenant=tenant, profile=profile, ignore_eos=ignore_eos,
+        tenant=tenant, profile=profile, ignore_eos=ignore_eos, stop=list(stop), raw_prompt=raw_prompt,
         messages=[common_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []])
+    if top_logprobs is not None:
+        req.top_logprobs = top_logprobs
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
     if top_p is not None:
@@ -47,17 +54,28 @@ def request(prompt: str = "", *, messages: list[dict[str, str]] | None = None, q
 
 
 def result_dict(result: executor_pb2.JobResult) -> dict:
-    """The result statistics as plain JSON-able data (the CLI's `--json` object)."""
+    """The result statistics as plain JSON-able data (the CLI's `--json` object): every field,
+    64-bit integers as JSON numbers (protobuf's JSON form writes them as strings), nested ones too."""
     d = json_format.MessageToDict(result, preserving_proto_field_name=True,
                                   always_print_fields_with_no_presence=True)
-    for k in ("prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes"):
-        d[k] = int(d[k])
-    d["per_layer"] = [{"layer": int(x.get("layer", 0)), "kept_tokens": int(x["kept_tokens"]),
-                       "kv_bytes": int(x["kv_bytes"]), "full_kv_bytes": int(x["full_kv_bytes"]),
-                       "kind": x["kind"]} for x in d["per_layer"]]
-    d["shrinks"] = [{"ratio": x.get("ratio", 0.0), **{k: int(x.get(k, 0)) for k in (
-        "generated_tokens", "kv_bytes_before", "kv_bytes_after", "reserved_before", "reserved_after")}}
-        for x in d.get("shrinks", [])]
+    return _numbers(d, result.DESCRIPTOR)
+
+
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def _numbers(d: dict, desc) -> dict:
+    """`d` (a message's JSON form) with its 64-bit integer fields as ints, walking nested messages."""
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        repeated = f.is_repeated
+        if f.message_type is not None:
+            d[f.name] = [_numbers(x, f.message_type) for x in d[f.name]] if repeated else \
+                _numbers(d[f.name], f.message_type)
+        elif f.type in _INT64:
+            d[f.name] = [int(x) for x in d[f.name]] if repeated else int(d[f.name])
     return d
 
 

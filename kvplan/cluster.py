@@ -1,7 +1,9 @@
 """`kvplan up/down/status`: the docker-compose topology as local background processes on
 loopback: a redis-server (when installed and KVPLAN_REDIS_URL is unset), planner, cachestore,
 executor, and the OpenAI-compatible HTTP API over the executor. Pid files, logs and the
-addresses live in the state dir."""
+addresses live in the state dir. While `up` waits for a service to serve, a status line says
+which, for how long, and the last line of its log (`kvplan.ticker`): a first run converts the
+model and builds the CPU kernels, about a minute."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,7 @@ import psutil
 
 from kvplan.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, HttpConfig, ModelConfig, PlannerConfig,
                            from_env)
-from kvplan import auth
+from kvplan import keyfile
 from kvplan.serving import check_health
 
 SERVICES = ("planner", "cachestore", "executor", "http")        # start order; stopped in reverse
@@ -98,7 +100,15 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], d: Path) -> subproce
                             start_new_session=True)
 
 
-def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
+def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=None) -> list[Member]:
+    """Start the cluster; each service's line is `echo`ed (default: printed, above the status line
+    a terminal shows while it waits)."""
+    from kvplan.ticker import Ticker
+    with Ticker("starting the cluster") as ticker:
+        return _up(cfg, model_cfg, echo or ticker.echo, ticker)
+
+
+def _up(cfg: ClusterConfig, model_cfg: ModelConfig, echo, ticker) -> list[Member]:
     d = state_dir(cfg, model_cfg)
     d.mkdir(parents=True, exist_ok=True)
     existing = [m for m in read_members(d) if _alive(m.pid)]
@@ -115,7 +125,7 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
     env["KVPLAN_CACHESTORE_ADDR"] = f"127.0.0.1:{ccfg.port}"
     env["KVPLAN_EXECUTOR_ADDR"] = f"127.0.0.1:{ecfg.port}"       # the HTTP API's executor
     d.chmod(0o700)                                     # keys, the Redis password and logs: this user's only
-    env.update(auth.cluster_keys(d, env))              # API keys on: an admin key for the CLI, one for the services
+    env.update(keyfile.cluster_keys(d, env))              # API keys on: an admin key for the CLI, one for the services
     members: list[Member] = []
     try:
         redis_url = cfg.redis_url
@@ -136,7 +146,9 @@ def up(cfg: ClusterConfig, model_cfg: ModelConfig, echo=print) -> list[Member]:
         _write(d, members)
         deadline = time.monotonic() + cfg.start_timeout_s
         for m in members[-len(SERVICES):]:
+            ticker.say(f"waiting for the {m.name} to serve")
             while member_health(m) != "SERVING":
+                ticker.note(_last_line(d / f"{m.name}.log"))
                 if not _alive(m.pid):
                     raise RuntimeError(f"{m.name} exited during start-up; log: {d / (m.name + '.log')}\n"
                                        + _tail(d / f"{m.name}.log"))
@@ -185,6 +197,19 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _last_line(path: Path) -> str:
+    """The last line of a service's log without its timestamp: what it is doing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    last = lines[-1] if lines else ""
+    parts = last.split(" ", 2)                       # "2026-11-27 01:02:03,456 INFO name: message"
+    return parts[2] if len(parts) == 3 and parts[0][:2].isdigit() else last
 
 
 def _stop_all(members: list[Member], grace_s: float = 15.0) -> list[str]:

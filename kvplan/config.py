@@ -85,9 +85,9 @@ class ModelConfig:
     device: str = _env("KVPLAN_DEVICE", "cpu", "cpu | cuda | cuda:N: the model and every tensor a job creates")
     packed_linear: bool = _env("KVPLAN_PACKED_LINEAR", True,
                                "CPU fp32: the model's linears through oneDNN with weights packed once "
-                               "(kvplan.packed_linear): ~2x faster weight reads at decode")
+                               "(kvplan.packed_linear): faster weight reads at decode (docs/benchmarks.md)")
     hold_freed_memory: bool = _env("KVPLAN_HOLD_FREED_MEMORY", True,
-                                   "keep freed C-heap memory for reuse (kvplan.allocator): ~3x faster decode "
+                                   "keep freed C-heap memory for reuse (kvplan.allocator): faster decode "
                                    "attention over fp16 caches on CPU")
 
     def __post_init__(self):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from kvcore.blocks import BLOCK_ROWS
+
 DEMO_CONTEXT = """\
 The Meridian Line is a night train that leaves Lisbon at 21:40 and reaches Madrid at 07:15. It \
 runs every day except on the 25th of December, when the crew and the carriages rest in the \
@@ -92,4 +94,7 @@ def run(addr: str, client_timeout_s: float, out=print) -> int:
     if auto.kv_bytes:
         out(f"\nauto held {auto.kv_bytes / full.kv_bytes:.1%} of full's KV bytes "
             f"({full.kv_bytes - auto.kv_bytes:,} bytes fewer).")
+    if full.reserve_ratio > 1.0:
+        out(f"full holds a little more than the full cache: the pool stores whole blocks of {BLOCK_ROWS} rows "
+            "per KV head and layer, the last one partly empty.")
     return 0

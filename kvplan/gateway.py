@@ -2,7 +2,7 @@
 gRPC API.
 
     GET  /v1/models             the served model
-    POST /v1/completions        prompt -> text (one user message; SSE with "stream": true)
+    POST /v1/completions        prompt -> text (the text as it is, no chat template; SSE with "stream": true)
     POST /v1/chat/completions   messages -> assistant message (SSE with "stream": true)
     GET  /health                200 when the executor answers SERVING, else 503
     GET  /metrics               Prometheus
@@ -15,7 +15,8 @@ executor of KVPLAN_EXECUTOR_ADDR). The request's `Authorization: Bearer` header 
 before any job exists — strict JSON types, numbers within their fields' ranges, valid UTF-8 —
 and every error, Starlette's own included, has that shape with a bounded message (never a bare
 500, never `{"detail": ...}`). A client that goes away cancels its job, streaming or not.
-Request and response bodies: `kvplan.openai_api`; errors: `kvplan.http_errors`.
+Request and response bodies: `kvplan.openai_api`; errors: `kvplan.openai_errors` (the shape) and
+`kvplan.http_errors` (an executor's statuses).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from kvplan import openai_api as api
 from kvplan.config import HttpConfig, ModelConfig, from_env
 from kvplan.http_guard import Guard
 from kvplan.http_jobs import HttpJobs
+from kvplan.openai_errors import ApiError
 
 log = logging.getLogger("kvplan.gateway")
 
@@ -49,8 +51,8 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
     app.state.gateway = gw
     app.add_middleware(Guard, max_body_bytes=cfg.max_body_bytes)      # 413 before a body is read; metrics
 
-    @app.exception_handler(api.ApiError)
-    async def api_error(request: Request, e: api.ApiError):
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -59,7 +61,7 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
-        return JSONResponse(api.ApiError(400, message, param=param, code="invalid_value").body(), status_code=400)
+        return JSONResponse(ApiError(400, message, param=param, code="invalid_value").body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
@@ -67,13 +69,13 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
         method) in OpenAI's shape too, never `{"detail": ...}`."""
         message = e.detail if isinstance(e.detail, str) else str(e.detail)
         code = {400: "invalid_body", 404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(api.ApiError(e.status_code, message, code=code).body(), status_code=e.status_code,
+        return JSONResponse(ApiError(e.status_code, message, code=code).body(), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse(api.ApiError(500, f"internal error ({type(e).__name__})", code="internal_error").body(),
+        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__})", code="internal_error").body(),
                             status_code=500)
 
     @app.get("/metrics")

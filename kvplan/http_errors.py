@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from kvplan import openai_api as api
+from kvplan.openai_errors import ApiError, bad
 from protos import executor_pb2 as pb
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -14,7 +15,7 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTI
                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
 
-def from_grpc(e: grpc.aio.AioRpcError) -> api.ApiError:
+def from_grpc(e: grpc.aio.AioRpcError) -> ApiError:
     """An executor error as the HTTP error a client of OpenAI's API expects. RESOURCE_EXHAUSTED
     with `retry-after` (a queue bound, a rate) is 429; without (a message over gRPC's limit, a
     job the whole KV budget could never hold) it is 413: retrying cannot help, and 429 made the
@@ -32,13 +33,18 @@ def from_grpc(e: grpc.aio.AioRpcError) -> api.ApiError:
             details = f"{param}: {rest}"
     if status == 503:
         details += " (is the executor up? `kvplan up` starts a local cluster)"
-    return api.ApiError(status, details, param=param, code=e.code().name.lower(),
+    return ApiError(status, details, param=param, code=e.code().name.lower(),
                         headers={"Retry-After": str(retry)} if retry else None)
 
 
-def job_ended(status: pb.JobStatus) -> api.ApiError:
-    """A job that ended CANCELLED (409) or FAILED (500, with its error)."""
+def job_ended(status: pb.JobStatus) -> ApiError:
+    """A job that ended CANCELLED (409), refused as bad input once it was tokenized or planned
+    (400 naming the request's parameter: a budget its strategy cannot hold), or FAILED (500,
+    with its error)."""
     name = pb.JobState.Name(status.state)
     if status.state == pb.CANCELLED:
-        return api.ApiError(409, f"job {status.job_id} was cancelled", code="job_cancelled")
-    return api.ApiError(500, f"job {status.job_id} ended {name}: {status.error}", code="job_failed")
+        return ApiError(409, f"job {status.job_id} was cancelled", code="job_cancelled")
+    if status.error_field:
+        param = api.PARAMS.get(status.error_field, status.error_field)
+        return bad(param, status.error.removeprefix(status.error_field + ": "))
+    return ApiError(500, f"job {status.job_id} ended {name}: {status.error}", code="job_failed")

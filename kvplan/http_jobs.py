@@ -22,11 +22,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from executor.validation import check_size
 from kvcore.request import InvalidRequest
 from kvplan import openai_api as api
-from kvplan.attempts import AttemptText, Diverged
+from kvplan.attempts import AttemptItems, AttemptText, Diverged
 from kvplan.config import HttpConfig
 from kvplan.executor_pool import ExecutorPool
 from kvplan.http_errors import from_grpc, job_ended
 from kvplan.keyfile import printable
+from kvplan.openai_errors import ApiError, bad
 from protos import executor_pb2 as pb
 
 log = logging.getLogger("kvplan.gateway")
@@ -76,7 +77,7 @@ class HttpJobs:
 
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
-            raise api.ApiError(404, f"The model {printable(model)} does not exist; this server serves "
+            raise ApiError(404, f"The model {printable(model)} does not exist; this server serves "
                                     f"`{self.model_name}`", param="model", code="model_not_found")
 
     def check_size(self, req: pb.GenerateRequest) -> None:
@@ -84,13 +85,13 @@ class HttpJobs:
         try:
             check_size(req, self.cfg.max_prompt_bytes)
         except InvalidRequest as e:
-            raise api.bad(api.PARAMS.get(e.field, e.field), str(e).removeprefix(e.field + ": ")) from None
+            raise bad(api.PARAMS.get(e.field, e.field), str(e).removeprefix(e.field + ": ")) from None
 
     async def answer(self, request: Request, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
         """Start the job (its errors are this request's HTTP error), then answer in one JSON body
         or as an SSE stream; a client that goes away cancels its job, streaming or not."""
         job, first = await self._start(req, _metadata(request))
-        shape = api.Shape(kind, first.job_id, self.model_name)
+        shape = api.Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
         if body.stream:
             return StreamingResponse(self._stream(job, first, shape, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -101,7 +102,7 @@ class HttpJobs:
                 if not collect.done() and await request.is_disconnected():
                     collect.cancel()
                     self._cancel(job)
-                    return JSONResponse(api.ApiError(499, "client closed the request").body(), status_code=499)
+                    return JSONResponse(ApiError(499, "client closed the request").body(), status_code=499)
         except asyncio.CancelledError:                  # the server is stopping this request
             collect.cancel()
             self._cancel(job)
@@ -122,9 +123,9 @@ class HttpJobs:
                     continue
                 raise from_grpc(e) from None
             if first is grpc.aio.EOF:
-                raise api.ApiError(502, "the executor ended the call before the job started")
+                raise ApiError(502, "the executor ended the call before the job started")
             return _Job(first.job_id, call, i, metadata), first
-        raise api.ApiError(503, "no executor answers")           # (not reached: the last one raised)
+        raise ApiError(503, "no executor answers")           # (not reached: the last one raised)
 
     async def _events(self, job: _Job, first: pb.JobEvent):
         """The job's events until its result. A stream that breaks while the job runs (the
@@ -148,7 +149,7 @@ class HttpJobs:
                 yield REPLAY
                 continue
             if ev is grpc.aio.EOF:
-                raise api.ApiError(502, f"job {job.job_id}: the executor's stream ended without a result")
+                raise ApiError(502, f"job {job.job_id}: the executor's stream ended without a result")
             tries = 0
             yield ev
             kind = ev.WhichOneof("kind")
@@ -164,35 +165,37 @@ class HttpJobs:
         async for ev in self._events(job, first):
             if ev is not REPLAY and ev.WhichOneof("kind") == "result":
                 return ev.result
-        raise api.ApiError(502, "no result")
+        raise ApiError(502, "no result")
 
     async def _stream(self, job: _Job, first: pb.JobEvent, shape: api.Shape, include_usage: bool):
-        text, done = AttemptText(), False
+        text, tokens, done = AttemptText(), AttemptItems(), False
         try:
             yield _sse(shape.chunk(first=True))
             async for ev in self._events(job, first):
                 if ev is REPLAY:
                     text.replay()
+                    tokens.replay()
                     continue
                 kind = ev.WhichOneof("kind")
                 if kind == "delta":
                     new = text.feed(ev.attempt, ev.delta.text)
-                    if new:
-                        yield _sse(shape.chunk(new))
+                    lps = tokens.feed(ev.attempt, list(ev.delta.logprobs))
+                    if new or lps:                       # (text held back by a stop sequence: its tokens still)
+                        yield _sse(shape.chunk(new, logprobs=lps))
                 elif kind == "result":
-                    rest = text.finish(ev.result.text)
-                    if rest:
-                        yield _sse(shape.chunk(rest))
+                    rest, lps = text.finish(ev.result.text), tokens.finish(list(ev.result.logprobs))
+                    if rest or lps:
+                        yield _sse(shape.chunk(rest, logprobs=lps))
                     yield _sse(shape.last(ev.result))
                     if include_usage:
                         yield _sse(shape.usage_chunk(ev.result))
             done = True
-        except api.ApiError as e:
+        except ApiError as e:
             done = True
             yield _sse(e.body())
         except Diverged as e:
             done = True
-            yield _sse(api.ApiError(500, f"job {job.job_id} was re-run and its text changed: {e}").body())
+            yield _sse(ApiError(500, f"job {job.job_id} was re-run and its text changed: {e}").body())
         finally:
             if not done:                                 # the client went away mid-stream
                 self._cancel(job)

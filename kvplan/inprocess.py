@@ -7,12 +7,15 @@ kvpress's shape:
 
 The first call starts the embedded default (planner, cachestore and executor servicers on
 ephemeral loopback ports, `kvplan.embedded`) and keeps it until `close()` or the end of the
-process; every call is a `kvplan.Client` job on it, so it measures what a cluster would.
+process; every call is a `kvplan.Client` job on it, so it measures what a cluster would. The
+start loads the model (a first run in a fresh cache also converts it and builds the CPU
+kernels: about a minute), so it says so on stderr while it runs (`kvplan.ticker`).
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import sys
 import threading
 
 from kvplan.sdk import Client, Result
@@ -40,10 +43,13 @@ class Pipeline:
             if self._client is None:
                 from kvplan.config import ModelConfig, from_env
                 from kvplan.embedded import Embedded
+                from kvplan.ticker import Ticker
                 cfg = from_env(ModelConfig)
                 if self.model:
                     cfg = dataclasses.replace(cfg, model=self.model)
-                self._embedded = Embedded(cfg).__enter__()
+                with Ticker("starting the embedded planner, cachestore and executor", follow_logs=True) as t:
+                    self._embedded = Embedded(cfg).__enter__()
+                print(f"kvplan: the embedded services are up ({t.elapsed_s:.0f}s)", file=sys.stderr)
                 self._client = Client(self._embedded.executor_addr)
                 atexit.register(self.close)
             return self._client

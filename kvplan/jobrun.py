@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from kvcore.blocks import BLOCK_ROWS
 from kvplan.config import ClientConfig, ClusterConfig, ModelConfig, from_env
 
 STRICT_EXIT = 3
@@ -17,7 +18,7 @@ STRICT_EXIT = 3
 FLAGS = {"budget.reserve_ratio": "--ratio", "budget.kv_tokens": "--kv-tokens", "budget.adaptive.floor_ratio": "--floor",
          "max_new_tokens": "--max-new-tokens",
          "temperature": "--temperature", "top_p": "--top-p", "prompt": "PROMPT", "question": "--question",
-         "strategy": "--strategy"}
+         "strategy": "--strategy", "stop": "--stop"}
 
 
 class BadFlag(ValueError):
@@ -38,11 +39,18 @@ def executor_address(ccfg: ClusterConfig, mcfg: ModelConfig, quiet: bool):
         yield addr
         return
     from kvplan.embedded import Embedded
+    from kvplan.ticker import Ticker
     if not quiet:
         print("kvplan: no cluster is up; running the embedded default (all services in this process)",
               file=sys.stderr)
-    with Embedded(mcfg) as e:
-        yield e.executor_addr
+    embedded = Embedded(mcfg)
+    with Ticker("starting the embedded services (loading the model)", lines=False, follow_logs=True,
+                tty=None if not quiet else False):
+        embedded.__enter__()
+    try:
+        yield embedded.executor_addr
+    finally:
+        embedded.__exit__(None, None, None)
 
 
 def generate(args, text: str, ccfg: ClusterConfig, mcfg: ModelConfig) -> int:
@@ -58,6 +66,9 @@ def generate(args, text: str, ccfg: ClusterConfig, mcfg: ModelConfig) -> int:
         printer.close()
     if st.result is None:
         state = st.status.state if st.status else 0
+        if st.status is not None and st.status.error_field:          # refused once tokenized or planned
+            field = st.status.error_field
+            raise BadFlag(f"{FLAGS.get(field, field)}: {st.status.error.removeprefix(field + ': ')}")
         from protos import executor_pb2
         name = executor_pb2.JobState.Name(state)
         print(f"kvplan: job {st.job_id} ended {name}: {st.status.error if st.status else ''}", file=sys.stderr)
@@ -68,12 +79,20 @@ def generate(args, text: str, ccfg: ClusterConfig, mcfg: ModelConfig) -> int:
     else:
         print(f"\n[{r.strategy} plan {r.plan_id}: {r.prompt_tokens} prompt + {r.generated_tokens} generated tokens; "
               f"KV {r.kv_bytes / 2**20:.2f} MiB of {r.full_kv_bytes / 2**20:.2f} MiB "
-              f"(reserve ratio {r.reserve_ratio:.3f}{_adaptive(r)}); prefill {r.prefill_s:.2f}s, "
+              f"(reserve ratio {r.reserve_ratio:.3f}{_blocks(r)}{_adaptive(r)}); prefill {r.prefill_s:.2f}s, "
               f"decode {r.decode_tokens_per_s:.1f} tok/s{'; DEGRADED' if r.degraded else ''}]", file=sys.stderr)
     warnings = Result.of(st.job_id, st.attempt, r).warnings(args.ratio)
     for w in warnings:                       # on stderr whatever the output mode: never silent
         print(f"kvplan: warning: {w}", file=sys.stderr)
     return STRICT_EXIT if warnings and args.strict else 0
+
+
+def _blocks(r) -> str:
+    """Why a cache holds more than the full cache of its tokens: whole pool blocks."""
+    if r.reserve_ratio <= 1.0:
+        return ""
+    return (f", above 1: the pool holds whole blocks of {BLOCK_ROWS} rows per KV head and layer, "
+            f"and {r.prompt_tokens + r.generated_tokens} tokens fill their last blocks only in part")
 
 
 def _adaptive(r) -> str:
@@ -101,15 +120,18 @@ def checked_request(args, text: str, embedded: bool):
     starts or is called: bad input exits 2 at once, naming the flag."""
     from executor import validation
     from kvplan.client import request
-    from planner.request import InvalidRequest
+    from kvcore.request import InvalidRequest
     for flag, value, lo, hi in (("--seed", args.seed, 0, 2 ** 64 - 1), ("--max-new-tokens", args.max_new_tokens, 1, 2 ** 31 - 1),
                                 ("--kv-tokens", args.kv_tokens, 1, 2 ** 63 - 1)):
         if value is not None and not lo <= value <= hi:
             raise BadFlag(f"{flag}: must be in [{lo}, {hi}], got {value}")
+    if args.floor is not None and args.budget != "adaptive":
+        raise BadFlag("--floor: the lowest ratio of an adaptive budget: give it with --budget adaptive "
+                      f"(got --floor {args.floor:g} with {'--ratio' if args.ratio is not None else '--kv-tokens' if args.kv_tokens is not None else 'no --budget'})")
     req = request(text, question=args.question, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, strategy=args.strategy,
                   reserve_ratio=args.ratio, kv_tokens=args.kv_tokens, tenant=args.tenant,
-                  adaptive=args.budget == "adaptive", floor_ratio=args.floor)
+                  adaptive=args.budget == "adaptive", floor_ratio=args.floor or 0.0, stop=args.stop)
     try:
         validation.check(req, 1)
     except InvalidRequest as e:

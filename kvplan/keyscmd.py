@@ -7,14 +7,14 @@ import os
 import sys
 from pathlib import Path
 
-from kvplan import auth
+from kvplan import keyfile
 
 
 def add_parser(sub) -> None:
     k = sub.add_parser("keys", help="API keys: `keys add --tenant T --role user|admin` prints a new key")
     k.add_argument("action", choices=["add"])
     k.add_argument("--tenant", required=True, help="the tenant the key acts for (letters, digits, _ . -)")
-    k.add_argument("--role", choices=auth.ROLES, default="user", help="user (default) or admin")
+    k.add_argument("--role", choices=keyfile.ROLES, default="user", help="user (default) or admin")
     k.add_argument("--weight", type=float, default=None,
                    help="the tenant's share in fair admission (default 1; a tenant of weight 2 gets twice the tokens "
                         "of one of weight 1 while both wait)")
@@ -27,14 +27,14 @@ def keys_file(args, state: Path) -> Path:
         return args.file
     if os.environ.get("KVPLAN_AUTH_KEYS_FILE"):
         return Path(os.environ["KVPLAN_AUTH_KEYS_FILE"])
-    return state / auth.KEYS_FILE
+    return state / keyfile.KEYS_FILE
 
 
 def run(args, state: Path, usage_error) -> int:
     """`usage_error`: the CLI's exception for bad input (exit code 2)."""
     path = keys_file(args, state)
     try:
-        key = auth.add_key(path, args.tenant, args.role, weight=args.weight)
+        key = keyfile.add_key(path, args.tenant, args.role, weight=args.weight)
     except ValueError as e:
         raise usage_error(f"keys add --{e}") from None
     print(key)

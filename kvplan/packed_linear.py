@@ -1,11 +1,11 @@
 """The model's linear layers through oneDNN with their weights packed once (CPU, fp32).
 
 At decode the projections, MLP and LM head see a few rows (one per running sequence) against
-every weight: ~540 MB of fp32 weights read per step for SmolLM2-135M. torch's default CPU path
-(MKL sgemm) reads them at 4-5 GB/s for 4-16 rows here; oneDNN's linear over weights reordered
-once into its blocked layout reads them about twice as fast (measured on this 2-core CPU, 318 MB
-of MLP weights: 4 rows 77 -> 37 ms, 16 rows 85 -> 56 ms, 1 row 39 -> 35 ms). The same library
-torch's inductor uses for CPU linears (`torch.ops.mkldnn._linear_pointwise`).
+every weight: the step reads every weight for a handful of rows, so how fast weights are read
+is the step's speed. oneDNN's linear over weights reordered once into its blocked layout reads
+them faster than torch's default CPU path (MKL sgemm) for such few rows (docs/benchmarks.md,
+"Figures behind the code"). The same library torch's inductor uses for CPU linears
+(`torch.ops.mkldnn._linear_pointwise`).
 
 `pack(model)` swaps every `nn.Linear` of the decoder layers for a `PackedLinear` that holds only
 the packed weight (the float one freed: no second copy); the LM head keeps its weight (tied to

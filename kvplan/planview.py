@@ -1,5 +1,7 @@
 """`kvplan plan`: plan one job in this process (no service) and show the plan — a per-layer table,
-the proto's JSON form (`--json`), or a bar chart of kept tokens per layer (`--plot`).
+the proto's JSON form (`--json`), or a bar chart of kept tokens per layer (`--plot`). The table's
+`kept` column and the bars are one number, `kept` (`kvcore.plan_cost.kept_per_head`: sinks,
+window and the scored tokens, `keep_tokens`), the bar's lighter part the sinks and window.
 
 The strategy is a shipped one's name or a definition file. The prompt is `--tokens N` tokens
 long, or a file tokenized as the executor would (one user message); a probing strategy then
@@ -8,7 +10,6 @@ fill the plan's two predicted retained-attention figures (planner/predict.py).""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from kvplan.config import ModelConfig
@@ -23,7 +24,7 @@ class BadInput(ValueError):
 
 def strategy(spec: str):
     """A shipped strategy by name, or the one a definition file (JSON/YAML) defines."""
-    from planner.request import InvalidRequest
+    from kvcore.request import InvalidRequest
     from planner.strategies import STRATEGIES, build, parse
     if spec in STRATEGIES:
         return STRATEGIES[spec]
@@ -40,9 +41,13 @@ def strategy(spec: str):
 
 
 def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | None, tokens: int,
-         prompt: str | None, predict: bool = False, new_tokens: int = 0) -> tuple[CompressionPlan, int]:
-    """-> (the plan, the prompt's tokens)."""
-    from planner.request import InvalidRequest, PlanInput
+         prompt: str | None, predict: bool = False, new_tokens: int = 0,
+         say=lambda what: None) -> tuple[CompressionPlan, int, str]:
+    """-> (the plan, the prompt's tokens, why a job asking this budget would be refused: "" when
+    it would run — `planner.fit`, as the planner service judges it). `say(what)`: each slow
+    step as it starts (the model's shape, the probe)."""
+    from kvcore.request import InvalidRequest
+    from planner.request import PlanInput
     s = strategy(spec)
     if ratio is not None and not 0.0 < ratio <= 1.0:
         raise BadInput(f"--ratio: must be in (0, 1], got {ratio:g}")
@@ -54,18 +59,26 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
         raise BadInput(f"--new-tokens: must be >= 0, got {new_tokens}")
     if predict and prompt is None:
         raise BadInput("--predict: probes the prompt: give --prompt-file")
+    say("reading the model's shape (a first run converts the model)")
     shape, path = _shape(mcfg)
     ids = _tokenize(path, prompt) if prompt is not None else None
     probe = None
     if ids:
         from planner.probe import Prober, in_mode, once
-        probe = once(Prober(mcfg).probe, ids)
+        prober = Prober(mcfg)
+
+        def probing(*a, **kw):
+            say(f"loading the model and probing the prompt's {len(ids)} tokens")
+            return prober.probe(*a, **kw)
+        probe = once(probing, ids)
     inp = PlanInput(job_id="cli", strategy=s.name, prompt_tokens=len(ids) if ids is not None else tokens,
                     model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens,
                     new_tokens=new_tokens,
                     probe=in_mode(probe, s.probe_mode) if probe and s.probe_mode else None)
+    from planner import fit
     try:
         plan = s.plan(inp, "local")
+        refused = "" if fit.usable(plan, inp) else str(fit.refusal(lambda i: s.plan(i, "local"), inp, plan))
     except InvalidRequest as e:
         if e.field == "token_ids" and ids is None:
             raise BadInput(f"--prompt-file: strategy {s.name} probes the prompt: give --prompt-file") from None
@@ -73,7 +86,7 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
     if predict and ids:
         from planner.predict import from_probe
         plan = from_probe(plan, probe, shape)
-    return dataclasses.replace(plan, strategy=s.name, strategy_version=s.version), inp.prompt_tokens
+    return dataclasses.replace(plan, strategy=s.name, strategy_version=s.version), inp.prompt_tokens, refused
 
 
 def _shape(mcfg: ModelConfig):
@@ -96,9 +109,16 @@ def _tokenize(path: Path, text: str) -> list[int]:
 
 
 def kept(lp: LayerPlan, prompt_tokens: int) -> int:
-    """Tokens a layer keeps per stored head (the whole prompt without eviction)."""
+    """Prompt tokens a layer keeps per stored head: its sinks, window and scored tokens (the
+    whole prompt without eviction) — what the executor keeps (`kvcore.plan_cost`)."""
+    from kvcore.plan_cost import kept_per_head
+    return kept_per_head(lp, prompt_tokens)
+
+
+def always(lp: LayerPlan, prompt_tokens: int) -> int:
+    """Of `kept`, the sinks and window, kept whatever the scores (0 without eviction)."""
     ev = lp.eviction
-    return min(prompt_tokens, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else prompt_tokens
+    return min(prompt_tokens, ev.sink_tokens + ev.window) if ev else 0
 
 
 def table(plan: CompressionPlan, prompt_tokens: int) -> str:
@@ -108,12 +128,13 @@ def table(plan: CompressionPlan, prompt_tokens: int) -> str:
                if plan.predicted_retained_attention < 1.0 else "")
             + (f", copy-aware {plan.predicted_copy_retained_attention:.3f}"
                if plan.predicted_copy_retained_attention < 1.0 else ""))
-    rows = [f"{'layer':>5} {'kind':<8} {'keep_tokens':>11} {'window':>6} {'sinks':>5} {'codebook θk/θv':<14} "
-            f"{'merge':<22} {'quant':<14} kvcrush"]
+    rows = [f"{'layer':>5} {'kind':<8} {'kept':>5} {'keep_tokens':>11} {'window':>6} {'sinks':>5} "
+            f"{'codebook θk/θv':<14} {'merge':<22} {'quant':<14} kvcrush"]
     for lp in plan.layers:
         ev, cb, mg, q = lp.eviction, lp.codebook, lp.merge, lp.quant
         rows.append(" ".join([
-            f"{lp.layer:>5}", f"{lp.kind:<8}", f"{ev.keep_tokens if ev else 'all':>11}",
+            f"{lp.layer:>5}", f"{lp.kind:<8}", f"{kept(lp, prompt_tokens):>5}",
+            f"{kept(lp, prompt_tokens) - always(lp, prompt_tokens) if ev else 'all':>11}",
             f"{ev.window if ev else '-':>6}", f"{ev.sink_tokens if ev else '-':>5}",
             f"{f'{cb.theta_k:.2f}/{cb.theta_v:.2f}' if cb else '-':<14}",
             f"{f'with {mg.with_layer}, t {mg.t:g}, γ {mg.retention_k:g}/{mg.retention_v:g}' if mg else '-':<22}",
@@ -125,6 +146,8 @@ def table(plan: CompressionPlan, prompt_tokens: int) -> str:
         rows.append(f"offload (SpeCache; plain layers): {off.low_bits}-bit copy, keys per {off.group_size} tokens, "
                     f"values per {off.value_group_size} channels, window {off.recent_window}, top-k {off.top_k} "
                     f"(re-ranked from {off.candidates} candidates), sinks {off.sink_tokens}; the executor fits these to the job's budget")
+    rows.append("kept: prompt tokens kept per KV head (sinks + window + keep_tokens, the scored ones; what "
+                "--plot draws)")
     return "\n".join([head, *rows])
 
 
@@ -143,17 +166,23 @@ def need_matplotlib():
     return plt
 
 
-def plot(plan: CompressionPlan, prompt_tokens: int, out: Path, asked: str = "") -> None:
-    """Bars of kept tokens per head per layer, coloured by kind; each bar of a plan that
-    quantizes says its layer's bits (`auto` mixes 16/8/4/2); the title gives the prompt's
-    length, the budget asked (`asked`, e.g. "ratio 0.2") and the predicted reserve ratio."""
+def plot(plan: CompressionPlan, prompt_tokens: int, out: Path, asked: str = "") -> list[int]:
+    """Bars of kept tokens per head per layer (the table's `kept`), coloured by kind, the sinks
+    and window lighter at their foot; each bar of a plan that quantizes says its layer's bits
+    (`auto` mixes 16/8/4/2); the title gives the prompt's length, the budget asked (`asked`, e.g.
+    "ratio 0.2") and the predicted reserve ratio. -> the bars' heights, in layer order."""
     plt = need_matplotlib()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(plan.layers)), 3.8))
     kinds = [lp.kind for lp in plan.layers]
     heights = [kept(lp, prompt_tokens) for lp in plan.layers]
-    ax.bar([lp.layer for lp in plan.layers], heights, color=[COLOURS.get(k, "#000000") for k in kinds])
+    floors = [always(lp, prompt_tokens) for lp in plan.layers]
+    xs, colours = [lp.layer for lp in plan.layers], [COLOURS.get(k, "#000000") for k in kinds]
+    ax.bar(xs, floors, color=colours, alpha=0.4)
+    ax.bar(xs, [h - f for h, f in zip(heights, floors)], bottom=floors, color=colours)
     from matplotlib.patches import Patch
     handles = [Patch(color=COLOURS.get(k, "#000000"), label=k) for k in dict.fromkeys(kinds)]
+    if any(floors):
+        handles.append(Patch(color="#000000", alpha=0.4, label="sinks + window"))
     if any(lp.quant for lp in plan.layers):
         for lp, h in zip(plan.layers, heights):
             ax.text(lp.layer, h, f"{lp.quant.bits if lp.quant else 16}", ha="center", va="bottom", fontsize=7)
@@ -165,5 +194,7 @@ def plot(plan: CompressionPlan, prompt_tokens: int, out: Path, asked: str = "") 
     ax.legend(handles=handles, fontsize="small", loc="lower left")
     fig.tight_layout()
     fig.savefig(out)
+    drawn = [round(sum(p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2 - x) < 1e-6))
+             for x in xs]                                                   # read back: what the image shows
     plt.close(fig)
-    print(f"kvplan: wrote {out}", file=sys.stderr)
+    return drawn

@@ -32,9 +32,10 @@ class EventPrinter:
             if self.bar is None:
                 self.bar = tqdm(total=ev.progress.total, desc="prefill", unit="tok", file=sys.stderr, leave=False)
             self.bar.update(ev.progress.done - self.bar.n)
-        elif kind == "delta":
+        elif kind in ("delta", "result"):
             self._close_bar()
-            new = self.text.feed(ev.attempt, ev.delta.text)
+            # the result has the text the deltas held back (what could have begun a stop sequence)
+            new = self.text.feed(ev.attempt, ev.delta.text) if kind == "delta" else self.text.finish(ev.result.text)
             if self.stream_text and new:
                 sys.stdout.write(new)
                 sys.stdout.flush()

@@ -11,8 +11,12 @@ A job survives the executor that held it; so does a call here: if the stream bre
 job runs (the executor answering it went away), the client re-attaches to the job (`WatchJob`,
 which replays it) on the next executor it knows (`Client("host1:50052,host2:50052")`, or a
 list; each in turn, the one that broke last) and goes on from where it was, and a re-run's text
-is never yielded twice (`kvplan.attempts`). A sampled request without a seed gets one, so a re-run replays the same
-text. Bad input raises `ValueError` naming the field; a job that fails raises `JobFailed`.
+is never yielded twice (`kvplan.attempts`). A sampled request without a seed gets one, so a re-run
+replays the same text. Errors are the SDK's own, in its own words: bad input raises `ValueError`
+naming this module's argument (`ratio: must be in (0, 1], got 1.5`), also when the executor
+refuses it after tokenizing or planning (a budget its strategy cannot hold, with the ratio that
+would); a key the executor does not take raises `AuthenticationError`; a job that fails raises
+`JobFailed`; an address where nothing answers raises `ConnectionError`.
 """
 from __future__ import annotations
 
@@ -27,6 +31,20 @@ from kvplan.client import REPLAY, executor_addresses, follow, request
 from kvplan.serving import channel_options
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
+
+
+# request fields (the executor's checks name them) -> this module's arguments
+ARGS = {"budget.reserve_ratio": "ratio", "budget.kv_tokens": "kv_tokens", "top_logprobs": "logprobs"}
+
+
+class AuthenticationError(PermissionError):
+    """The executor refused the API key (none, unknown, or without the role the call needs)."""
+
+
+def _bad(field: str, details: str) -> ValueError:
+    """The executor's `field: message` in this module's argument names."""
+    arg = ARGS.get(field, field)
+    return ValueError(f"{arg}: {details.removeprefix(field + ': ')}")
 
 
 class JobFailed(RuntimeError):
@@ -53,7 +71,7 @@ class Result:
     degraded: bool                   # the planner or the cachestore was lost: a fallback ran
     budget_met: bool | None          # the plan held the budget asked (None: not judged)
     budget_floor_tokens: int         # fewest prompt tokens per KV head the plan kept in a layer
-    finish_reason: str               # "eos" | "length"
+    finish_reason: str               # "eos" | "length" | "stop" (a stop sequence)
     attempts: int                    # executors that ran it
     prefill_s: float
     decode_tokens_per_s: float
@@ -68,10 +86,10 @@ class Result:
                        "lost, so it fell back; see the executor's log)")
         if self.budget_met is False:
             asked = f"reserve ratio {ratio:g}" if ratio is not None else "its KV budget"
-            out.append(f"job {self.job_id} could not hold {asked}: {self.strategy} keeps at least "
-                       f"{self.budget_floor_tokens} of the {self.prompt_tokens} prompt tokens per KV head "
-                       f"(window, sinks, or no compression), and the rows the job adds come on top; "
-                       f"it held {self.reserve_ratio:.3f}")
+            out.append(f"job {self.job_id}'s {self.strategy} plan could not promise {asked} at every step: it keeps "
+                       f"at least {self.budget_floor_tokens} of the {self.prompt_tokens} prompt tokens per KV head "
+                       f"(window, sinks, or no compression), and each generated token's row comes on top; "
+                       f"measured at its end, after {self.generated_tokens} tokens, it held {self.reserve_ratio:.3f}")
         elif ratio is not None and self.reserve_ratio > ratio + 1e-3:
             out.append(f"job {self.job_id} held reserve ratio {self.reserve_ratio:.3f}, above the {ratio:g} asked")
         return out
@@ -133,7 +151,7 @@ class Client:
 
     def generate(self, prompt: str = "", **kw) -> Result:
         """Run one job and return its Result. Keywords: messages, question, strategy, ratio,
-        kv_tokens, max_new_tokens, temperature, top_p, seed."""
+        kv_tokens, max_new_tokens, temperature, top_p, seed, stop, logprobs."""
         s = self.stream(prompt, **kw)
         for _ in s:
             pass
@@ -142,15 +160,16 @@ class Client:
     def stream(self, prompt: str = "", *, messages: list[dict[str, str]] | None = None, question: str = "",
                strategy: str = "", ratio: float | None = None, kv_tokens: int | None = None,
                max_new_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
-               seed: int | None = None) -> Streaming:
+               seed: int | None = None, stop: Sequence[str] = (), logprobs: int | None = None) -> Streaming:
         """The job's text as it is generated (iterate), then `.result`. A budget (`ratio` or
         `kv_tokens`) without a strategy is planned by the planner's default, or `auto` when that
-        is `full`."""
+        is `full`. `stop`: stop sequences (the text ends before the first one generated);
+        `logprobs`: each token's log-probability and this many top tokens' (`Result.raw.logprobs`)."""
         if seed is None and temperature > 0:
             seed = random.getrandbits(63)
         return Streaming(self, request(prompt, messages=messages, question=question, max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_p=top_p, seed=seed, strategy=strategy,
-                                       reserve_ratio=ratio, kv_tokens=kv_tokens))
+                                       reserve_ratio=ratio, kv_tokens=kv_tokens, stop=stop, top_logprobs=logprobs))
 
     def _events(self, req: pb.GenerateRequest) -> Iterator[pb.JobEvent]:
         """The job's events until its result; re-attaches to the job when the stream breaks
@@ -162,18 +181,33 @@ class Client:
                 if kind == "status" and ev.status.state == pb.DONE and ev.status.HasField("result"):
                     yield pb.JobEvent(job_id=ev.job_id, attempt=ev.attempt, result=ev.status.result)
                     return                      # (its event log expired: the status carries the result)
+                if kind == "status" and ev.status.state == pb.FAILED and ev.status.error_field:
+                    raise _bad(ev.status.error_field, ev.status.error)      # refused once tokenized or planned
                 if kind == "status" and ev.status.state in (pb.FAILED, pb.CANCELLED):
                     raise JobFailed(ev.status)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(e.details()) from None
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                raise ConnectionError(f"no executor answers at {', '.join(self.addresses)} ({e.details()}); "
-                                      "`kvplan up` starts a local cluster") from None
-            raise
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> Exception:
+        """A gRPC error as this SDK's own: ValueError, AuthenticationError, ConnectionError, or
+        RuntimeError with the status's name and details."""
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            field, sep, _ = details.partition(": ")
+            return _bad(field, details) if sep and " " not in field else ValueError(details)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return AuthenticationError(f"the executor at {self.address} refused the API key ({details}): pass "
+                                       "api_key=, or set KVPLAN_API_KEY, to a key of `kvplan keys add`")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ConnectionError(f"no executor answers at {', '.join(self.addresses)} ({details}); "
+                                   "`kvplan up` starts a local cluster")
+        return RuntimeError(f"{code.name}: {details}")
 
     def cancel(self, job_id: str) -> None:
-        self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30)
+        try:
+            self._stub.CancelJob(pb.JobRef(job_id=job_id), timeout=30)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
 
     def close(self) -> None:
         for ch in self._channels:

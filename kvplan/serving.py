@@ -15,13 +15,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from kvplan import auth, channels
+from kvplan import auth, channels, keyfile
 from kvplan.config import SecurityConfig, ServiceConfig, from_env
 
 log = logging.getLogger("kvplan.serving")
 
 RPCS = Counter("kvplan_rpcs_total", "RPCs handled", ["service", "method", "code"])
-# 5 ms to 30 min: a streaming Generate lasts as long as its job (a 4k prefill alone is ~15 s here).
+# 5 ms to 30 min: a streaming Generate lasts as long as its job (a long prefill alone takes seconds on a CPU).
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 RPC_SECONDS = Histogram("kvplan_rpc_seconds", "RPC handling time (streams: until their last message)",
                         ["service", "method"], buckets=SECONDS_BUCKETS)
@@ -106,7 +106,7 @@ async def start(svc: Service, cfg: ServiceConfig, with_metrics: bool = True,
     # sets SO_REUSEADDR itself, so a port in TIME_WAIT after `kvplan down` binds at once)
     options = [*channel_options(cfg.max_message_mb)[:1], ("grpc.max_receive_message_length", cfg.max_receive_bytes),
                ("grpc.so_reuseport", 0)]
-    gate = auth.Gate(auth.keyring(security), cfg.max_request_bytes)
+    gate = auth.Gate(keyfile.keyring(security), cfg.max_request_bytes)
     server = grpc.aio.server(options=options, interceptors=[_MetricsInterceptor(svc.name), gate])
     svc.register(server)
     health_pb2_grpc.add_HealthServicer_to_server(svc.health, server)

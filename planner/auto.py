@@ -26,7 +26,8 @@ from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
 from kvcore.statistics import POOL, QUANT_GROUP, SINKS, SPAN
-from planner.request import InvalidRequest, PlanInput
+from kvcore.request import InvalidRequest
+from planner.request import PlanInput
 from planner.strategy import Strategy
 
 RESIDUAL = 32          # newest tokens a quant layer keeps in the storage dtype

@@ -2,7 +2,7 @@
 holds after the prompt and at every later token, so the rows a job adds after its compressed
 prompt come out of the same budget as the prompt's kept tokens. Those rows — a query_agnostic
 question prefilled in one step, then one row per generated token — are stored dense, in stores
-that grow ROW_CHUNK rows at a time (`executor.layers.groups.held_after`: spare rows are held
+that grow ROW_CHUNK rows at a time (`kvcore.cost.held_after`: spare rows are held
 and counted), so the prompt gets what is left at the worst step:
 
     ratio r:     kept <= r·l + min_j (r·a_j − c·h_j)

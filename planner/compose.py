@@ -44,7 +44,8 @@ from planner.allocation import ALLOCATIONS, uniform_keep_counts
 from kvcore.blocks import BLOCK_ROWS, QUANT_BITS, QUANT_GROUP
 from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, holds, row_cost
 from planner.definition import Definition
-from planner.request import InvalidRequest, PlanInput
+from kvcore.request import InvalidRequest
+from planner.request import PlanInput
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import jsonschema
 import yaml
 
 from kvplan.plan import KVCrush, Quant
-from planner.request import InvalidRequest
+from kvcore.request import InvalidRequest
 
 SCHEMA: dict[str, Any] = json.loads(Path(__file__).with_name("strategy.schema.json").read_text())
 MAX_DEFINITION_BYTES = 64 << 10    # a definition's text; the schema bounds every number in it

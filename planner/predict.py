@@ -27,7 +27,8 @@ import torch
 from kvcore import scoring
 from kvplan.plan import CompressionPlan, Eviction
 from kvcore.statistics import ProbeStats
-from planner.request import InvalidRequest, ModelShape
+from kvcore.request import InvalidRequest
+from planner.request import ModelShape
 
 COPY = 16   # tokens after an attended one that a copied answer may run over
 

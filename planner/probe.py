@@ -27,7 +27,7 @@ import torch
 
 from kvcore import attention
 from kvcore.statistics import ERROR_QUERIES, LayerStatistics, ProbeStats
-from planner.request import InvalidRequest
+from kvcore.request import InvalidRequest
 
 _rope: ContextVar[dict | None] = ContextVar("kvplan_probe_rope", default=None)   # layer -> (cos, sin), a probe's
 _HOOKED = "_kvplan_probe_hooked"
@@ -76,8 +76,8 @@ class Prober:
     def model(self):
         with self._lock:
             if self.lm is None:
-                from kvplan import model
-                self.lm = model.load(self.model_cfg)
+                from kvplan.model import load
+                self.lm = load(self.model_cfg)
             return self.lm
 
     @torch.inference_mode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcore.request import InvalidRequest, adaptive_of, validate_budget  # noqa: F401  (planner code imports them here)
+from kvcore.request import InvalidRequest, adaptive_of, validate_budget
 from protos import planner_pb2
 
 

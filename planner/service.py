@@ -2,7 +2,8 @@
 
 A job that names no strategy gets the active default; one that asks to compress while that
 default is `full` gets `auto`. Every plan says whether it holds the job's budget (`budget_met`,
-`budget_floor_tokens`).
+`budget_floor_tokens`); a budget asked explicitly that the plan cannot hold is refused
+(INVALID_ARGUMENT naming it, with the ratio that would fit: `planner.fit`).
 
 Strategies are the shipped presets plus the custom definitions SetStrategy registered (shared
 through Redis when configured). A probing strategy gets a lazy probe of the job's token ids, or,
@@ -20,11 +21,13 @@ import uuid
 import grpc
 from prometheus_client import Counter
 
-from kvplan import auth
+from kvplan.auth import Denied, acting_tenant
+from kvplan.keyfile import printable
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
-from planner import adaptive, predict, profiles, request
+from planner import adaptive, fit, predict, profiles, request
 from kvcore import defaults, statistics
+from kvcore.request import InvalidRequest, adaptive_of, validate_budget
 from planner.probe import in_mode, once
 from planner.active import open_active
 from planner.strategies import STRATEGIES, Strategy, build, parse
@@ -52,8 +55,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     async def Plan(self, req: planner_pb2.PlanRequest, context) -> common_pb2.CompressionPlan:
         try:
-            auth.acting_tenant(req.tenant, "")
-        except auth.Denied as e:
+            acting_tenant(req.tenant, "")
+        except Denied as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -63,14 +66,14 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             strategy = await self._resolve(req.strategy, name)
             inp = dataclasses.replace(inp, strategy=strategy.name)
             if req.predict and not req.token_ids:
-                raise request.InvalidRequest("token_ids", "predict probes the prompt: send token_ids")
+                raise InvalidRequest("token_ids", "predict probes the prompt: send token_ids")
             probe = self._given(req, inp, strategy) if req.HasField("stats") else \
                 self._probe(strategy.name, list(req.token_ids))
             inp, pending = await self._probing(strategy, inp, probe)
             plan = await asyncio.to_thread(self._plan, strategy, inp, req)
             if req.predict:
                 plan = await asyncio.to_thread(predict.from_probe, plan, probe, inp.model)
-        except request.InvalidRequest as e:
+        except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if pending and pending[1]:                      # a profile's sampled job probed: learn its shares
             await self.profiles.add(pending[0], pending[1][0])
@@ -86,7 +89,10 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         strategy asked for no budget — at the largest ratio the executor's load leaves room for."""
         plan_id = f"plan-{uuid.uuid4().hex[:12]}"
         if inp.adaptive is None and (req.budget.WhichOneof("kind") is not None or strategy.name == "full"):
-            return strategy.plan(inp, plan_id)
+            plan = strategy.plan(inp, plan_id)
+            if req.budget.WhichOneof("kind") is not None and not fit.usable(plan, inp):
+                raise fit.refusal(lambda i: strategy.plan(i, plan_id), inp, plan)     # never run to answer garbage
+            return plan
         floor_ratio, min_retained = inp.adaptive or (0.0, 0.0)
         plan = adaptive.plan(lambda r: strategy.plan(dataclasses.replace(inp, reserve_ratio=r, kv_tokens=None), plan_id),
                              inp, adaptive.Load.from_proto(req.load), floor_ratio,
@@ -106,7 +112,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             else:
                 strategy = await self._lookup(req.name, "name")
                 await self.active.set(strategy.name)
-        except request.InvalidRequest as e:
+        except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         active = await self.active.get()
         log.info("%s %s v%s", "active strategy is now" if active == strategy.name else "registered strategy",
@@ -117,8 +123,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         """The strategy of a job that names none: the active default, except that a budget which
         asks to compress while the default is `full` (which never compresses) gets `auto`, so
         `--ratio 0.2` alone is never silently a full cache."""
-        ratio, tokens = request.validate_budget(budget)
-        return defaults.strategy_for("", await self.active.get(), ratio, tokens, request.adaptive_of(budget) is not None)
+        ratio, tokens = validate_budget(budget)
+        return defaults.strategy_for("", await self.active.get(), ratio, tokens, adaptive_of(budget) is not None)
 
     async def DeleteStrategy(self, req: planner_pb2.DeleteStrategyRequest, context) -> planner_pb2.StrategyList:
         """Remove a custom definition (admin; the gate checks the role). When it was the active
@@ -127,7 +133,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"name: {req.name!r} is a shipped strategy")
         if not await self.active.delete(req.name, self.cfg.default_strategy):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"name: no custom strategy {req.name!r}")
-        log.info("deleted strategy definition %s", auth.printable(req.name))
+        log.info("deleted strategy definition %s", printable(req.name))
         return await self.ListStrategies(planner_pb2.ListStrategiesRequest(), context)
 
     async def _resolve(self, asked: str, name: str) -> Strategy:
@@ -137,7 +143,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             return await self._lookup(name, "strategy")
         try:
             return await self._lookup(name, "strategy")
-        except request.InvalidRequest as e:
+        except InvalidRequest as e:
             log.error("the active strategy cannot be used (%s); planning with full until it is fixed "
                       "(kvplan strategies set NAME, or DeleteStrategy)", e)
             return STRATEGIES["full"]
@@ -150,8 +156,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             if text not in self._built:
                 try:
                     self._built[text] = build(parse(text))
-                except (request.InvalidRequest, ValueError, TypeError) as e:
-                    log.error("stored definition %s does not validate; leaving it out: %s", auth.printable(name), e)
+                except (InvalidRequest, ValueError, TypeError) as e:
+                    log.error("stored definition %s does not validate; leaving it out: %s", printable(name), e)
                     continue
             custom[name] = self._built[text]
         return {**STRATEGIES, **custom}
@@ -159,28 +165,28 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     async def _lookup(self, name: str, field: str) -> Strategy:
         known = STRATEGIES if name in STRATEGIES else await self._strategies()
         if not name:
-            raise request.InvalidRequest(field, f"must name a strategy (known: {_known(known)})")
+            raise InvalidRequest(field, f"must name a strategy (known: {_known(known)})")
         if name not in known:
-            raise request.InvalidRequest(field, f"unknown strategy {name!r} (known: {_known(known)})")
+            raise InvalidRequest(field, f"unknown strategy {name!r} (known: {_known(known)})")
         return known[name]
 
     async def _define(self, text: str, name: str, activate: bool) -> Strategy:
         """Register (or replace) a custom definition; with `activate`, make it the default."""
         d = parse(text)
         if name and name != d.name:
-            raise request.InvalidRequest("name", f"{name!r} is not the definition's name {d.name!r}")
+            raise InvalidRequest("name", f"{name!r} is not the definition's name {d.name!r}")
         if d.name in STRATEGIES:
-            raise request.InvalidRequest("definition.name", f"{d.name!r} is a shipped strategy; give yours another name")
+            raise InvalidRequest("definition.name", f"{d.name!r} is a shipped strategy; give yours another name")
         stored = (await self.active.definitions()).get(d.name)
         try:
             prev = parse(stored) if stored else None
-        except request.InvalidRequest:          # a stored definition that no longer validates: replaced
+        except InvalidRequest:          # a stored definition that no longer validates: replaced
             prev = None
         if not d.version:
             same = prev is not None and dataclasses.replace(d, version=prev.version) == prev
             d = dataclasses.replace(d, version=prev.version if same else _next_version(prev))
         elif prev is not None and d.version == prev.version and d != prev:
-            raise request.InvalidRequest("definition.version", f"{d.name} v{d.version} is registered with other "
+            raise InvalidRequest("definition.version", f"{d.name} v{d.version} is registered with other "
                                                                "parts: give a new version (or none)")
         strategy = build(d)
         await self.active.define(d.name, d.to_json(), activate)
@@ -196,12 +202,12 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             stats = statistics.from_proto(req.stats, m.num_layers, heads, inp.prompt_tokens)
         except ValueError as e:
             field, _, message = str(e).partition(": ")
-            raise request.InvalidRequest(field, message) from None
+            raise InvalidRequest(field, message) from None
         GIVEN.labels(strategy.name).inc()
 
         def probe(gqa_mode: str = strategy.probe_mode, losses: bool = False):
             if gqa_mode != strategy.probe_mode or (losses and stats.losses is None):
-                raise request.InvalidRequest("stats", f"gathered in {strategy.probe_mode} mode"
+                raise InvalidRequest("stats", f"gathered in {strategy.probe_mode} mode"
                                              f"{'' if stats.losses is not None else ' without losses'}; the "
                                              f"strategy asks for {gqa_mode}{' with losses' if losses else ''}")
             return stats

@@ -24,7 +24,7 @@ FAILED: JobState
 CANCELLED: JobState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile", "ignore_eos")
+    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile", "ignore_eos", "raw_prompt", "stop", "top_logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,9 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     question: str
@@ -49,7 +52,10 @@ class GenerateRequest(_message.Message):
     tenant: str
     profile: str
     ignore_eos: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    raw_prompt: bool
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    top_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)
@@ -72,7 +78,7 @@ class LayerStats(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens", "queue_s", "ttft_s", "kv_reserved_bytes", "predicted_kv_bytes", "budget_ratio", "budget_reason", "shrinks")
+    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens", "queue_s", "ttft_s", "kv_reserved_bytes", "predicted_kv_bytes", "budget_ratio", "budget_reason", "shrinks", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +106,7 @@ class JobResult(_message.Message):
     BUDGET_RATIO_FIELD_NUMBER: _ClassVar[int]
     BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
     SHRINKS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     strategy: str
     plan_id: str
@@ -127,7 +134,8 @@ class JobResult(_message.Message):
     budget_ratio: float
     budget_reason: str
     shrinks: _containers.RepeatedCompositeFieldContainer[Shrink]
-    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_reserved_bytes: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ..., shrinks: _Optional[_Iterable[_Union[Shrink, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_reserved_bytes: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ..., shrinks: _Optional[_Iterable[_Union[Shrink, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Shrink(_message.Message):
     __slots__ = ("ratio", "generated_tokens", "kv_bytes_before", "kv_bytes_after", "reserved_before", "reserved_after")
@@ -176,7 +184,7 @@ class OffloadStats(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., low_bits: _Optional[int] = ..., group_size: _Optional[int] = ..., top_k: _Optional[int] = ..., recent_window: _Optional[int] = ..., host_kv_bytes: _Optional[int] = ..., prefetches: _Optional[int] = ..., in_time: _Optional[int] = ..., late: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., stall_s: _Optional[float] = ..., error: _Optional[str] = ..., rerank: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "executor_id", "attempts", "generated_tokens", "error", "result", "submitted_at")
+    __slots__ = ("job_id", "state", "executor_id", "attempts", "generated_tokens", "error", "result", "submitted_at", "error_field")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +193,7 @@ class JobStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     executor_id: str
@@ -193,7 +202,8 @@ class JobStatus(_message.Message):
     error: str
     result: JobResult
     submitted_at: float
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., executor_id: _Optional[str] = ..., attempts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., error: _Optional[str] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., submitted_at: _Optional[float] = ...) -> None: ...
+    error_field: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., executor_id: _Optional[str] = ..., attempts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., error: _Optional[str] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., submitted_at: _Optional[float] = ..., error_field: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("phase", "done", "total")
@@ -206,12 +216,36 @@ class Progress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("job_id", "attempt", "status", "progress", "delta", "result")

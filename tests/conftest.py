@@ -12,7 +12,7 @@ import pytest
 # turns authentication on itself (tests/kvplan/test_auth.py); production defaults to on.
 os.environ.setdefault("KVPLAN_AUTH", "off")
 
-from cachestore.process import free_port  # noqa: F401  (tests import it from here)
+from cachestore.process import free_port
 from kvplan.cluster import wait_redis
 from kvplan.config import ModelConfig, from_env
 

@@ -20,7 +20,7 @@ from kvcore import cost
 from kvplan.client import ExecutorClient, fold, request, Stream
 from kvplan.serving import check_health
 from protos import executor_pb2 as pb
-from tests.conftest import free_port
+from cachestore.process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,11 +168,11 @@ def _the_key_works(address: str, key: str) -> None:
 def _the_http_api_answers(address: str, state: Path) -> None:
     """`kvplan up`'s HTTP API, with the cluster's admin key and without a key."""
     import openai
-    from kvplan.auth import ADMIN_KEY_FILE
+    from kvplan.keyfile import ADMIN_KEY_FILE
     key = (state / ADMIN_KEY_FILE).read_text().strip()
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key=key, max_retries=0, timeout=300)
-    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt="What is the capital of France?",
-                                    max_tokens=12)
+    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                    max_tokens=12)                      # the text to continue, as it is
     assert "Paris" in got.choices[0].text and got.usage.kv_bytes > 0
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"http://{address}/v1", api_key="not-a-key", max_retries=0).completions.create(

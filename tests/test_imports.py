@@ -1,6 +1,10 @@
 """The import graph of kvplan's own packages, module-level and function-level imports alike
-(read with `ast`, nothing imported): no cycle, and neither of `planner` and `executor` imports
-the other — what both need lives in `kvcore`.
+(read with `ast`, nothing imported): no cycle; neither of `planner` and `executor` imports the
+other — what both need lives in `kvcore`; and every arrow runs down: nothing under the ground
+floor (`kvcore`, `planner`, `executor`, `cachestore`, `kernels`, and `kvplan`'s serving plumbing
+— config, model, auth, keys, channels, plan, serving) imports the front door (`FRONT`: the SDK
+facade `kvplan/__init__.py` and what it, the CLI and the HTTP API are made of, which import the
+services).
 
 An edge goes to the module an import names: `from a.b import c` is a.b.c when that is a module,
 and a.b too, whose `__init__` runs first — a module of its own, reached whenever an import names
@@ -14,6 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("planner", "executor", "cachestore", "kernels", "kvplan", "kvcore")
 APART = ("planner", "executor")          # neither imports the other
+# The front door: `import kvplan` (the SDK facade), the SDK, the CLI, `kvplan up`, the embedded
+# default and the HTTP API. They import the services; a service (or what it imports) never imports them.
+FRONT = ("kvplan", *(f"kvplan.{m}" for m in (
+    "sdk", "inprocess", "embedded", "client", "attempts", "ticker", "progress", "cli", "jobrun", "demo", "planview",
+    "cluster", "keyscmd", "gateway", "http_errors", "http_guard", "http_jobs", "openai_api", "openai_errors",
+    "executor_pool")))
 
 
 def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
@@ -105,12 +115,25 @@ def crossings(g: dict[str, set[str]], apart=APART) -> list[str]:
                   if top(m) in apart and top(t) in apart and top(m) != top(t))
 
 
+def upward(g: dict[str, set[str]], front=FRONT) -> list[str]:
+    """'a -> b' for every import of a front module `b` by a module `a` of the ground floor."""
+    return sorted(f"{m} -> {t}" for m, ts in g.items() for t in ts if m not in front and t in front)
+
+
 def test_no_import_cycles():
     assert cycles(graph(ROOT)) == []
 
 
 def test_planner_and_executor_never_import_each_other():
     assert crossings(graph(ROOT)) == []
+
+
+def test_nothing_under_the_ground_floor_imports_the_front():
+    """Before issue 34 `planner.service` and `cachestore.service` ran `from kvplan import auth`:
+    the facade, whose `kvplan.pipeline` starts the services."""
+    g = graph(ROOT)
+    assert set(FRONT) <= set(g), f"FRONT names modules that do not exist: {sorted(set(FRONT) - set(g))}"
+    assert upward(g) == []
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -143,3 +166,17 @@ def test_the_checker_finds_function_level_cycles_and_crossings(tmp_path):
     (root / "planner/a.py").write_text("import kvcore\n")                             # the cycles broken
     (root / "executor/sub/m.py").write_text("from executor.sub.k import f\n")
     assert cycles(graph(root, ("planner", "executor", "kvcore"))) == []
+
+
+def test_the_checker_finds_an_arrow_up_through_a_package_or_a_function(tmp_path):
+    root = _tree(tmp_path, {
+        "kvplan/__init__.py": "def __getattr__(name):\n    from kvplan import sdk\n    return sdk\n",
+        "kvplan/sdk.py": "import executor.service\n",                       # the front imports the services: down
+        "kvplan/config.py": "",
+        "executor/__init__.py": "",
+        "executor/service.py": "from kvplan import config\n",             # through the facade's __init__: up
+        "executor/worker.py": "from kvplan.config import X\n",            # the ground floor alone: fine
+        "executor/late.py": "def f():\n    from kvplan.sdk import Client\n",   # function level: up
+    })
+    g = graph(root, ("kvplan", "executor"))
+    assert upward(g, ("kvplan", "kvplan.sdk")) == ["executor.late -> kvplan.sdk", "executor.service -> kvplan"]

@@ -66,9 +66,11 @@ def stop_ids(lm: LoadedModel) -> set[int]:
 
 class LLMEngine:
     def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, budget: KVBudget, max_batched_tokens: int = 512,
-                 max_seqs: int = 64, prefill_chunk: int = 512, prefetch_wait_s: float = 0.0):
+                 max_seqs: int = 64, prefill_chunk: int = 512, prefetch_wait_s: float = 0.0,
+                 tenant_weight: Callable[[str], float] | None = None):
         """prefill_chunk: prompt tokens per prefill part (at most max_batched_tokens);
-        prefetch_wait_s: how long an offload layer waits for a late prefetch (0: never). The KV
+        prefetch_wait_s: how long an offload layer waits for a late prefetch (0: never);
+        tenant_weight(tenant): its share of admissions (`executor.fairness`; default 1 each). The KV
         pool is allocated here from the budget (`KVPool`: blocks worth the whole budget, whatever
         their forms); a budget larger than a CPU pool may take is lowered to it."""
         self.lm, self.storage_dtype, self.budget = lm, storage_dtype, budget
@@ -79,7 +81,7 @@ class LLMEngine:
             log.info("KV budget %d bytes: lowered to the %d bytes of blocks the pool holds", budget.total,
                      self.runner.pool.capacity)
             budget.total = self.runner.pool.capacity
-        self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm))
+        self.scheduler = Scheduler(budget, max_batched_tokens, max_seqs, stop_ids(lm), tenant_weight)
         self.inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self.plans: queue.SimpleQueue[tuple] = queue.SimpleQueue()   # (PLANNING sequence, its plan, its store)
         self.shrinks: queue.SimpleQueue[tuple] = queue.SimpleQueue()  # (dense running sequence, its lower plan)
@@ -113,7 +115,7 @@ class LLMEngine:
     def sequence(self, prompt: Prompt, plan: CompressionPlan, sampling: Sampling, *,
                  emit: Callable[[str, object], None] = lambda kind, x: None,
                  cancelled: Callable[[], bool] = lambda: False, store=None, ratio: float | None = None,
-                 prefix=None, measure_recall: bool = False, job_id: str = "",
+                 prefix=None, measure_recall: bool = False, job_id: str = "", tenant: str = "",
                  statistics: LayerStatistics | None = None) -> Sequence:
         """A job's sequence. Offload plans: `store` is its cachestore handle (None: an in-process
         one, released when it ends) and `ratio` the reserve ratio its offload part is fitted to.
@@ -144,7 +146,8 @@ class LLMEngine:
         need = self.reservation(plan, prompt, sampling)
         self.budget.check_fits_at_all(need)
         return Sequence(prompt, plan, sampling, cache, parts, self.lm.tokenizer, emit, cancelled, store, job_id,
-                        planned_after=statistics is not None, reserved=need, done_tokens=done, own_store=own)
+                        tenant=tenant, planned_after=statistics is not None, reserved=need, done_tokens=done,
+                        own_store=own)
 
     def add(self, seq: Sequence) -> None:
         """Hand a sequence to the engine (any thread); it waits until its reservation fits."""

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from executor.attention import causal_attention, group_attention
+from executor.attention import group_attention
+from kvcore.attention import causal_attention
 from executor.cache import PlannedCache
 from executor.engine.compression import compress, gather
 from executor.engine.block_tables import BlockTables, StepTables, Writes
 from executor.engine.kv_pool import KVPool
-from executor.engine.sampler import sample
+from executor.engine.sampler import logprobs, sample
 from executor.engine.scheduler import Output, Segment
 from executor.engine.seq_cache import SeqCache
 from kernels import cpu_extension
@@ -61,7 +62,7 @@ class ModelRunner:
         self.pool = KVPool(self.layout, self.pool_bytes(budget_bytes, lm.device), lm.device)
         self.tables = BlockTables(self.pool, lm.num_layers, lm.num_kv_heads, max_seqs + 8, lm.max_context + 64)
         if lm.device.type == "cpu" and storage_dtype == torch.float16:
-            cpu_extension.build()        # the decode kernels now (a first build: ~1 min), not at a job's first token
+            cpu_extension.build()        # the decode kernels now (a first build compiles them), not at a job's first token
 
     @staticmethod
     def pool_bytes(budget_bytes: int, device: torch.device) -> int:
@@ -96,7 +97,7 @@ class ModelRunner:
             rows.append((at, seg.keep))
             at += seg.keep
         sampled = [(i, at) for i, (seg, (at, _)) in enumerate(zip(segments, rows)) if seg.sample]
-        tokens = {}
+        tokens, lps = {}, {}
         if sampled:
             seqs = [segments[i].seq for i, _ in sampled]
             picked = logits[torch.tensor([r for _, r in sampled], device=logits.device)]   # [S, V] first kept row
@@ -104,9 +105,14 @@ class ModelRunner:
             top_p = torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32, device=logits.device)
             ids = sample(picked, temps, top_p, [s.gen for s in seqs])
             tokens = {i: tok for (i, _), tok in zip(sampled, ids)}
+            want = [j for j, s in enumerate(seqs) if s.sampling.logprobs is not None]
+            if want:                                  # the jobs that asked: their tokens' log-probabilities
+                got = logprobs(picked[want], [ids[j] for j in want], max(seqs[j].sampling.logprobs for j in want))
+                lps = {sampled[j][0]: (lp, top[:seqs[j].sampling.logprobs], vals[:seqs[j].sampling.logprobs])
+                       for j, (lp, top, vals) in zip(want, got)}
         guesses = [i for i, seg in enumerate(segments) if seg.phase in ("predecode", "spec")]
         best = {i: int(logits[at + keep - 1].argmax()) for i in guesses for at, keep in [rows[i]]}
-        return [Output(tokens.get(i), best.get(i)) for i in range(len(segments))]
+        return [Output(tokens.get(i), best.get(i), lps.get(i)) for i in range(len(segments))]
 
     def plan_step(self, segments: list[Segment]) -> StepPlan:
         spans, at = [], 0

@@ -1,25 +1,28 @@
 """Which rows the next step runs, and what the step's outputs do to each sequence.
 
-schedule(): admit waiting sequences first-come first-served while the KV budget holds their
-reservations (and fewer than `max_seqs` run); then every decoding sequence's rows (one; two for
+schedule(): admit waiting sequences while the KV budget holds their reservations (and fewer than
+`max_seqs` run) — in arrival order within a tenant, across tenants by deficit round robin over
+their tokens (`executor.fairness`: one tenant's backlog does not keep another's job waiting); then every decoding sequence's rows (one; two for
 SpeCache's speculative step), then prefill parts of admitted sequences in admission order while
 the step's rows stay within `max_batched_tokens` — one part always goes, so a long prompt
 prefills a chunk per step beside the decodes instead of freezing them for its whole prefill.
 
 postprocess(): a prefill part done advances its sequence (after the context's last chunk the
 reservation tightens to what the compressed cache can still grow to; after the prompt's last
-part its first token is sampled); a decode appends its token; stop token, max_new_tokens or a
-cancel finish a sequence and release its bytes. `blocked()`: the first waiting sequence waits for
+part its first token is sampled); a decode appends its token; stop token, stop sequence,
+max_new_tokens or a cancel finish a sequence and release its bytes. `blocked()`: the first waiting sequence waits for
 bytes — what makes the executor shrink dense running jobs (`executor.engine.shrink`)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from executor.engine.kv_budget import KVBudget
 from executor.engine.sequence import Sequence, Status
+from executor.fairness import FairQueue, Waiting
 
 log = logging.getLogger("kvplan.executor.engine")
 
@@ -42,11 +45,15 @@ class Segment:
 class Output:
     token: int | None        # sampled next token (segments that sample)
     guess: int | None        # SpeCache: the next speculative token ("predecode", "spec")
+    logprob: tuple | None = None   # (its log-probability, top ids, their log-probabilities) when the job asked
 
 
 class Scheduler:
-    def __init__(self, budget: KVBudget, max_batched_tokens: int, max_seqs: int, stop_ids: set[int]):
+    def __init__(self, budget: KVBudget, max_batched_tokens: int, max_seqs: int, stop_ids: set[int],
+                 tenant_weight=None):
         self.budget, self.max_batched_tokens, self.max_seqs = budget, max_batched_tokens, max_seqs
+        self.fair = FairQueue(tenant_weight)
+        self._admitting = threading.Lock()             # `blocked` asks from the worker's thread
         self.stop_ids = stop_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -61,12 +68,17 @@ class Scheduler:
     # -- schedule -------------------------------------------------------------------------------
     def schedule(self) -> list[Segment]:
         self._drop_cancelled()
-        while self.waiting and len(self.running) < self.max_seqs and self.budget.can_reserve(self.waiting[0].reserved):
-            seq = self.waiting.popleft()
-            self.budget.reserve(seq.seq_id, seq.reserved)
-            seq.cache.open()                               # its slot in the block tables
-            seq.status, seq.t_admitted = Status.PREFILL, time.perf_counter()
-            self.running.append(seq)
+        with self._admitting:
+            while self.waiting and len(self.running) < self.max_seqs:
+                seq = self._next(self.fair.pick)
+                if not self.budget.can_reserve(seq.reserved):
+                    self.fair.unpick(self._waiting(seq))         # it goes first once room is made
+                    break
+                self.waiting.remove(seq)
+                self.budget.reserve(seq.seq_id, seq.reserved)
+                seq.cache.open()                               # its slot in the block tables
+                seq.status, seq.t_admitted = Status.PREFILL, time.perf_counter()
+                self.running.append(seq)
         segments, rows, prefills = [], 0, 0
         for seq in self.running:
             if seq.status is Status.DECODE:
@@ -83,6 +95,15 @@ class Scheduler:
             segments.append(Segment(seq, part.ids, part.start, part.phase, 1 if last else 0, last))
             rows, prefills = rows + len(part.ids), prefills + 1
         return segments
+
+    @staticmethod
+    def _waiting(seq: Sequence) -> Waiting:
+        return Waiting(str(seq.seq_id), seq.tenant, seq.prompt.num_tokens + seq.sampling.max_new_tokens)
+
+    def _next(self, pick) -> Sequence:
+        """The waiting sequence admission offers next: `pick` (`FairQueue.pick` or `.peek`) over them."""
+        by_key = {str(s.seq_id): s for s in self.waiting}
+        return by_key[pick([self._waiting(s) for s in self.waiting]).key]
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.cancelled()]:
@@ -120,18 +141,20 @@ class Scheduler:
                 if seg.phase == "predecode":
                     continue
                 seq.steps += 1
-            self._take(seq, out.token)
+            self._take(seq, out.token, out.logprob)
             if seq.status is Status.FINISHED:
                 self._end(seq, seq.finish_reason)
                 done.append(seq)
         return done
 
-    def _take(self, seq: Sequence, tok: int) -> None:
+    def _take(self, seq: Sequence, tok: int, logprob: tuple | None = None) -> None:
         if tok in self.stop_ids and not seq.sampling.ignore_eos:
             seq.finish("eos")
             return
-        seq.append(tok)
-        if len(seq.generated) >= seq.sampling.max_new_tokens:
+        seq.append(tok, logprob)
+        if seq.stopped:                                    # its text reached one of its stop sequences
+            seq.finish("stop")
+        elif len(seq.generated) >= seq.sampling.max_new_tokens:
             seq.finish("length")
 
     def planned(self, seq: Sequence) -> None:
@@ -141,9 +164,11 @@ class Scheduler:
             seq.status = Status.PREFILL if seq.parts else Status.DECODE
 
     def blocked(self) -> bool:
-        """Whether the first waiting sequence waits for bytes (not for a free seat)."""
-        return bool(self.waiting) and len(self.running) < self.max_seqs and \
-            not self.budget.can_reserve(self.waiting[0].reserved)
+        """Whether the sequence admission offers next waits for bytes (not for a free seat)."""
+        with self._admitting:
+            if not self.waiting or len(self.running) >= self.max_seqs:
+                return False
+            return not self.budget.can_reserve(self._next(self.fair.peek).reserved)
 
     def shrunk(self, seq: Sequence) -> None:
         """A running sequence's cache was rebuilt under a lower plan: reserve what it can still grow to."""

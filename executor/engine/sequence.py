@@ -39,6 +39,8 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False          # generate max_new_tokens whatever the model says (benchmarks)
+    stop: tuple[str, ...] = ()        # stop sequences: the text ends before the first one generated
+    logprobs: int | None = None       # set: each token's log-probability and this many top tokens'
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,12 @@ class Sequence:
     cache: SeqCache
     parts: list[Part]                                  # prefill parts not yet run, in order
     tokenizer: object                                  # a transformers fast tokenizer
-    emit: Callable[[str, object], None] = lambda kind, x: None    # ("progress", (done, total)) | ("delta", (text, ids))
+    emit: Callable[[str, object], None] = lambda kind, x: None    # ("progress", (done, total)) |
+                                                                   # ("delta", (text, ids, logprobs))
     cancelled: Callable[[], bool] = lambda: False
     store: object | None = None                        # cachestore.handle.JobHandle (offload plans)
     job_id: str = ""
+    tenant: str = ""                                   # whose job: admission is fair across tenants
     planned_after: bool = False                        # its plan comes after the context (statistics sent)
     own_store: bool = False                            # the engine releases the store when it ends
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -99,8 +103,11 @@ class Sequence:
     last_token: int | None = None                      # sampled, to be fed next
     guess: int | None = None                           # SpeCache: the speculative next token
     steps: int = 0                                     # decode forwards after the prefill
-    finish_reason: str = ""                            # "eos" | "length" | "cancelled"
-    text: str = ""                                     # streamed so far
+    finish_reason: str = ""                            # "eos" | "length" | "stop" | "cancelled"
+    text: str = ""                                     # detokenized so far (cut at a stop sequence)
+    shown: int = 0                                     # characters of `text` streamed (the rest held back)
+    stopped: bool = False                              # `text` reached one of its stop sequences
+    logprobs: list = field(default_factory=list)       # per generated token, when asked: `Output.logprob`
     t_added: float = field(default_factory=time.perf_counter)
     t_admitted: float | None = None
     t_prefilled: float | None = None
@@ -135,15 +142,32 @@ class Sequence:
         return [self.last_token, self.guess], "spec"
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def append(self, tok: int) -> None:
-        """A sampled token: kept and streamed unless it stops the sequence."""
+    def append(self, tok: int, logprob: tuple | None = None) -> None:
+        """A sampled token (and its log-probabilities, when asked): kept and its text streamed."""
         self.t_tokens.append(time.perf_counter())
         self.generated.append(tok)
         self.last_token = tok
         piece = self.detok.step(self.tokenizer._tokenizer, tok)
         if piece is not None:                     # None: an incomplete UTF-8 character so far
             self.text += piece
-        self.emit("delta", (piece or "", [tok]))
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self.emit("delta", (self._release(), [tok], [logprob] if logprob is not None else []))
+
+    def _release(self) -> str:
+        """The text to stream now. With stop sequences the first one generated ends the text
+        (`stopped`), and the last characters that could still begin one are held back, as vLLM
+        holds them: a client never sees text the stop takes back. The result's text has the rest."""
+        stops, end = self.sampling.stop, len(self.text)
+        if stops:
+            hits = [i for i in (self.text.find(s, self.shown) for s in stops) if i >= 0]
+            if hits:
+                end = min(hits)
+                self.text, self.stopped = self.text[:end], True
+            else:
+                end = max(self.shown, end - max(map(len, stops)) + 1)
+        out, self.shown = self.text[self.shown:end], end
+        return out
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = Status.FINISHED, reason
@@ -151,6 +175,8 @@ class Sequence:
 
     @property
     def final_text(self) -> str:
+        if self.stopped:                          # cut where its stop sequence began
+            return self.text
         return self.tokenizer.decode(self.generated, skip_special_tokens=True)
 
     def kv_bytes(self) -> int:

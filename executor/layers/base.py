@@ -10,8 +10,6 @@ from typing import Iterator, Protocol
 
 import torch
 
-from kvplan.plan import LayerPlan
-
 
 class UnsupportedPlan(ValueError):
     """A plan the cache's layers cannot hold (its kind, its stacking, its shape)."""

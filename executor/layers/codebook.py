@@ -25,7 +25,8 @@ import dataclasses
 
 import torch
 
-from executor.attention import causal_attention, group_attention
+from executor.attention import group_attention
+from kvcore.attention import causal_attention
 from executor.layers.candidate import Candidate, CodedPart, first_rank
 from executor.layers.evicted import EvictedLayer, Kept
 from executor.layers.groups import CodebookGroup, CodedRows, DenseGroup, dense_bytes

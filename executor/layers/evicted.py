@@ -14,7 +14,7 @@ import torch
 
 from executor import kvcrush
 from kvcore import scoring
-from executor.attention import causal_attention
+from kvcore.attention import causal_attention
 from executor.layers.base import LayerContext, Phase
 from executor.layers.full import FullLayer
 from executor.layers.groups import DenseGroup, grown, index_dtype

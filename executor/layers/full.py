@@ -7,10 +7,9 @@ import time
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from executor.attention import causal_attention
-from executor.layers.base import CacheState, LayerContext, Phase  # noqa: F401  (CacheState: its old home)
+from executor.layers.base import LayerContext, Phase
 from kernels import dense_decode
-from kvcore.attention import routed
+from kvcore.attention import causal_attention, routed
 from kernels.rope_reconstruct import unrotate_rope
 from kvcore import cost
 from kvplan.plan import LayerPlan

@@ -28,7 +28,6 @@ import math
 import torch
 
 from kernels import lowbit_scores, quantize_pack, unpack_dequantize
-from kvcore.cost import lowbit_bytes  # noqa: F401  (the copy's bytes: one cost model)
 
 
 KEY_REFINE = 3        # least-squares refits of each key group's scale and zero

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.attention import causal_attention
+from kvcore.attention import causal_attention
 from executor.layers.base import LayerContext, Phase
 from executor.layers.full import FullLayer
 from executor.layers.lowbit import LowBitKV

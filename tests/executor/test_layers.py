@@ -234,7 +234,7 @@ def _synthetic_layer(theta: float, directions: int = 4, t: int = 96, keep: int =
     keys and values each point in one of `directions` directions with random norms — exactly
     codable at any θ < 1. Returns the layer after compression and its byte budget."""
     from executor.layers.codebook import CodebookLayer
-    from executor.layers.full import LayerContext
+    from executor.layers.base import LayerContext
     from kernels import apply_rope
     gen = torch.Generator().manual_seed(0)
     d, hk, hq = 16, 2, 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executor.cache import PlannedCache, UnsupportedPlan
-from executor.layers.full import CacheState, LayerContext
+from executor.layers.base import CacheState, LayerContext
 from executor.layers.merge import MergedRows, MergeLayer, retained
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling

@@ -8,7 +8,7 @@ from executor import validation
 from executor.planner_client import PlannerClient
 from kvplan import serving
 from kvplan.config import PlannerConfig, from_env
-from planner.request import InvalidRequest
+from kvcore.request import InvalidRequest
 from planner.service import build_service
 
 

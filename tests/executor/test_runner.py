@@ -4,7 +4,6 @@ import torch
 
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
-from executor.sampler import Sampler
 from kvplan.plan import full_plan
 
 
@@ -46,19 +45,8 @@ def test_cancel_stops_decoding(tiny_model):
     assert run.finish_reason == "cancelled" and len(run.token_ids) == 4
 
 
-def test_sampler_greedy_seeded_and_top_p():
-    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
-    assert Sampler(0.0, 1.0, None)(logits) == 1
-    a = [Sampler(1.0, 1.0, 7)(logits) for _ in range(5)]
-    b = [Sampler(1.0, 1.0, 7)(logits) for _ in range(5)]
-    assert a == b
-    s = Sampler(1.0, 0.5, 1)      # p = .49, .44, .05, .02: the nucleus of 0.5 is tokens 1 and 3
-    drawn = {s(logits) for _ in range(200)}
-    assert drawn <= {1, 3} and drawn
-
-
 def _evict_plan(m: int, scorer: str, codebook=None):
-    from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan
+    from kvplan.plan import CompressionPlan, Eviction, LayerPlan
     ev = Eviction(keep_tokens=40, window=8, scorer=scorer, gqa_mode="repeat", span_tokens=4)
     return CompressionPlan("p", "test", tuple(LayerPlan(i, eviction=ev, codebook=codebook) for i in range(m)))
 

@@ -147,7 +147,7 @@ def test_a_definition_set_through_the_planner_plans_the_next_job(cluster, client
 
 
 def test_executor_falls_back_to_a_local_plan_when_the_planner_is_down(model_cfg, monkeypatch):
-    from tests.conftest import free_port
+    from cachestore.process import free_port
     monkeypatch.setenv("KVPLAN_PLAN_DEADLINE_S", "1")
     with Embedded(model_cfg, planner_addr=f"127.0.0.1:{free_port()}") as dead:
         with ExecutorClient(dead.executor_addr, timeout_s=120) as c:
@@ -157,15 +157,20 @@ def test_executor_falls_back_to_a_local_plan_when_the_planner_is_down(model_cfg,
 
 @pytest.mark.parametrize("name", sorted(strategies.STRATEGIES))
 def test_every_strategy_runs_a_real_job_through_grpc(client, name):
-    st = client.run(request(" ".join([CONTEXT] * 3), question=QUESTION, max_new_tokens=8,
-                            strategy=name, reserve_ratio=0.5))
+    job = dict(question=QUESTION, max_new_tokens=8, strategy=name)
+    st = client.run(request(" ".join([CONTEXT] * 3), reserve_ratio=0.5, **job))
+    if name in ("full", "minicache"):
+        # neither compresses this prompt (minicache merges only the layer pairs the probe finds
+        # alike; SmolLM2's adjacent layers are nearly orthogonal, mean cosine -0.1..0.2): a budget
+        # of 0.5 is refused, not run above it, saying what fits; without one, the full cache
+        assert st.result is None and st.status.state == pb.FAILED, st.status
+        assert st.status.error_field == "budget.reserve_ratio" and "reserve ratio 1 fits" in st.status.error
+        st = client.run(request(" ".join([CONTEXT] * 3), **job))
     r = st.result
     assert r.strategy == name and not r.degraded and r.generated_tokens >= 1
     assert r.kv_bytes == sum(x.kv_bytes for x in r.per_layer) > 0
     assert r.reserve_ratio == pytest.approx(r.kv_bytes / r.full_kv_bytes)
     if name in ("full", "minicache"):
-        # minicache merges only the layer pairs the probe finds alike; SmolLM2's adjacent layers
-        # are nearly orthogonal (mean cosine -0.1..0.2), so its plan here is the full cache
         assert 1.0 <= r.reserve_ratio < 1.0 + BLOCK_ROWS / r.prompt_tokens          # spare rows of the last block
         assert all(x.kind == "full" for x in r.per_layer)
     else:      # the executor tells the planner the question and the answer's length: the job's

@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from kvplan import auth, cli, serving
+from kvplan import cli, keyfile, serving
 from kvplan.config import (CachestoreConfig, ConfigError, ExecutorConfig, PlannerConfig, SecurityConfig, from_env)
 from protos import cachestore_pb2 as cpb
 from protos import cachestore_pb2_grpc, executor_pb2, executor_pb2_grpc, planner_pb2, planner_pb2_grpc
@@ -25,8 +25,8 @@ SHAPE = planner_pb2.ModelShape(num_layers=2, num_kv_heads=2, num_query_heads=4, 
 def keys(tmp_path):
     """A keys file with an admin key and user keys of tenants a and b -> (path, {name: key})."""
     path = tmp_path / "keys.yaml"
-    made = {"admin": auth.add_key(path, "ops", "admin"), "a": auth.add_key(path, "a", "user"),
-            "b": auth.add_key(path, "b", "user")}
+    made = {"admin": keyfile.add_key(path, "ops", "admin"), "a": keyfile.add_key(path, "a", "user"),
+            "b": keyfile.add_key(path, "b", "user")}
     return path, made
 
 
@@ -34,10 +34,10 @@ def test_the_keys_file_holds_hashes_not_keys(keys):
     path, made = keys
     text = path.read_text()
     assert all(k not in text for k in made.values())
-    assert all(auth.hash_key(k) in text for k in made.values())
+    assert all(keyfile.hash_key(k) in text for k in made.values())
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    ring = auth.KeyRing(path)
-    assert ring.lookup(made["a"]) == auth.Identity("a", "user") and ring.lookup("kvp_nope") is None
+    ring = keyfile.KeyRing(path)
+    assert ring.lookup(made["a"]) == keyfile.Identity("a", "user") and ring.lookup("kvp_nope") is None
 
 
 @pytest.mark.parametrize("content, words", [
@@ -50,13 +50,13 @@ def test_a_bad_keys_file_is_a_config_error(tmp_path, content, words):
     f = tmp_path / "k.json"
     f.write_text(content)
     with pytest.raises(ConfigError, match=words):
-        auth.KeyRing(f)
+        keyfile.KeyRing(f)
 
 
 def test_auth_on_without_a_keys_file_refuses_to_start():
     with pytest.raises(ConfigError, match="KVPLAN_AUTH_KEYS_FILE is not set"):
-        auth.keyring(SecurityConfig(auth="on"))
-    assert auth.keyring(SecurityConfig(auth="off")) is None
+        keyfile.keyring(SecurityConfig(auth="on"))
+    assert keyfile.keyring(SecurityConfig(auth="off")) is None
 
 
 class Services:
@@ -177,7 +177,7 @@ def test_a_key_added_while_the_services_run_works_without_a_restart(services, ke
     stub_for = lambda key: planner_pb2_grpc.PlannerStub(channel(services.addr["planner"], key))  # noqa: E731
     assert cli.main(["keys", "add", "--tenant", "late", "--role", "user", "--file", str(path)]) == 0
     key = capsys.readouterr().out.strip()
-    assert key.startswith(auth.KEY_PREFIX) and key not in path.read_text()
+    assert key.startswith(keyfile.KEY_PREFIX) and key not in path.read_text()
     import time
     deadline = time.monotonic() + 5                       # the file is looked at once a second
     while True:
@@ -187,7 +187,7 @@ def test_a_key_added_while_the_services_run_works_without_a_restart(services, ke
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() < deadline
             time.sleep(0.2)
-    assert json.loads(path.read_text())["keys"][auth.hash_key(key)]["tenant"] == "late"
+    assert json.loads(path.read_text())["keys"][keyfile.hash_key(key)]["tenant"] == "late"
 
 
 def test_keys_add_refuses_a_bad_tenant(tmp_path, capsys):
@@ -198,8 +198,8 @@ def test_keys_add_refuses_a_bad_tenant(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def executor_services(tmp_path_factory, model_cfg, real_model_dir):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
-    made = {"admin": auth.add_key(path, "ops", "admin"), "a": auth.add_key(path, "a", "user"),
-            "b": auth.add_key(path, "b", "user")}
+    made = {"admin": keyfile.add_key(path, "ops", "admin"), "a": keyfile.add_key(path, "a", "user"),
+            "b": keyfile.add_key(path, "b", "user")}
     mp = pytest.MonkeyPatch()
     mp.setenv("KVPLAN_API_KEY", made["admin"])           # the executor's key to the planner and the cachestore
     try:
@@ -260,3 +260,16 @@ def test_any_authorization_metadata_is_unauthenticated_or_admitted(services, key
         check()
     finally:
         ch.close()
+
+
+def test_the_sdk_raises_its_own_error_for_a_wrong_key(executor_services):
+    """Before: a wrong key through `kvplan.Client` raised a raw grpc._channel._MultiThreadedRendezvous."""
+    import kvplan
+    s, made = executor_services
+    for key in ("kvp_not-a-key", ""):
+        with kvplan.Client(s.addr["executor"], api_key=key) as client:
+            with pytest.raises(kvplan.AuthenticationError, match="refused the API key") as e:
+                client.generate("hi", max_new_tokens=2)
+            assert not isinstance(e.value, grpc.RpcError)
+    with kvplan.Client(s.addr["executor"], api_key=made["a"]) as client:
+        assert client.generate("Count to three.", max_new_tokens=4).generated_tokens > 0

@@ -119,12 +119,13 @@ def _local(name, ratio, prompt):
 
 def test_plan_prints_the_per_layer_table(real_shape, capsys):
     assert cli.main(["plan", "--strategy", "spindlekv", "--ratio", "0.2"]) == 0
-    head, columns, *rows = capsys.readouterr().out.splitlines()
+    head, columns, *rows, note = capsys.readouterr().out.splitlines()
     assert head.startswith("spindlekv v2: 2048 prompt tokens, predicted reserve ratio 0.200")
-    assert columns.split()[:4] == ["layer", "kind", "keep_tokens", "window"]
+    assert columns.split()[:5] == ["layer", "kind", "kept", "keep_tokens", "window"]
     want = _local("spindlekv", 0.2, 2048)
-    assert [r.split()[:3] for r in rows] == [[str(lp.layer), lp.kind, str(lp.eviction.keep_tokens)] for lp in want.layers]
-    assert all("0.98/0.95" in r for r in rows)
+    assert [r.split()[:4] for r in rows] == [[str(lp.layer), lp.kind, str(32 + lp.eviction.keep_tokens),
+                                              str(lp.eviction.keep_tokens)] for lp in want.layers]
+    assert all("0.98/0.95" in r for r in rows) and note.startswith("kept: prompt tokens kept per KV head")
 
 
 def test_plan_json_is_the_protos_json_form(real_shape, capsys):
@@ -154,7 +155,7 @@ def test_plan_minicache_shows_the_merged_pairs(real_shape, tmp_path, capsys):
     f = tmp_path / "m.yaml"                      # ungated: the shipped preset probes to choose its pairs
     f.write_text("name: m\nmerge: {min_cos: null}\n")
     assert cli.main(["plan", "--strategy", str(f), "--ratio", "0.5"]) == 0
-    rows = capsys.readouterr().out.splitlines()[2:]
+    rows = capsys.readouterr().out.splitlines()[2:-1]
     assert [r.split()[1] for r in rows] == ["full"] * 16 + ["merge", "full"] * 7
     assert "with 15, t 0.6" in rows[16]
 
@@ -196,7 +197,16 @@ def test_plan_plot_draws_a_png(real_shape, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     assert cli.main(["plan", "--strategy", "spindlekv", "--ratio", "0.3", "--plot", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in capsys.readouterr().err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"kvplan: wrote {out} (" in capsys.readouterr().err
+
+
+def test_plan_warns_when_a_job_asking_its_budget_would_be_refused(real_shape, capsys):
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.5", "--tokens", "300", "--new-tokens", "256"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("snapkv v1: 300 prompt tokens")          # the plan is still shown
+    assert ("kvplan: warning: a job asking this would be refused: budget.reserve_ratio: snapkv cannot hold reserve "
+            "ratio 0.5 on this job (300 prompt tokens, 256 new tokens)") in err
+    assert "reserve ratio 0.55 fits, or at most 206 new tokens fit reserve ratio 0.5" in err
 
 
 def test_plan_plot_without_matplotlib_exits_2(real_shape, tmp_path, monkeypatch, capsys):

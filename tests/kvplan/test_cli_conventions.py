@@ -1,8 +1,10 @@
 """CLI conventions: --version; flags checked before any service starts (exit 2 at once, naming the
-flag); a broken pipe ends quietly; an address that does not answer gets a hint to `kvplan up`;
-a degraded job or a budget not held is warned on stderr whatever the output mode, and exits 3
-under --strict (over a scripted executor); `kvplan demo` prints both answers and both caches'
-bytes (the real model)."""
+flag; --floor without --budget adaptive too); a broken pipe ends quietly; an address that does
+not answer gets a hint to `kvplan up`; a degraded job or a budget not held is warned on stderr
+whatever the output mode, and exits 3 under --strict; a job refused once planned (a budget its
+strategy cannot hold) exits 2 naming the flag; `--json` gives every count as a JSON number; a
+cache above 1 says why (over a scripted executor); `kvplan demo` prints both answers and both
+caches' bytes (the real model)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvplan import cli, demo
-from tests.conftest import free_port
+from cachestore.process import free_port
+from protos import executor_pb2 as pb
 from tests.kvplan.fake_executor import FakeExecutor, events, result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +44,10 @@ def test_version(capsys):
     (["--temperature", "-1", "hi"], "--temperature:"),
     (["--strategy", "nope", "hi"], "--strategy: unknown strategy 'nope'"),
     (["   "], "PROMPT: must not be empty"),
+    (["--floor", "0.2", "--ratio", "0.3", "hi"], "--floor: the lowest ratio of an adaptive budget: give it with "
+                                                 "--budget adaptive (got --floor 0.2 with --ratio)"),
+    (["--floor", "0", "hi"], "--floor: the lowest ratio of an adaptive budget"),
+    (["--stop", "", "hi"], "stop[0]: must be 1 to 256 characters"),
 ])
 def test_bad_flags_exit_2_before_any_service_starts(no_cluster, monkeypatch, capsys, argv, words):
     import kvplan.embedded
@@ -91,8 +98,9 @@ def test_a_budget_not_held_warns_with_the_floor(fake, capsys):
                                                            kv_bytes=1085, reserve_ratio=1.085))
     assert cli.main(["generate", "--strategy", "snapkv", "--ratio", "0.5", "hi"]) == 0
     err = capsys.readouterr().err
-    assert "could not hold reserve ratio 0.5: snapkv keeps at least 32 of the 52 prompt tokens" in err
-    assert "held 1.085" in err
+    assert ("snapkv plan could not promise reserve ratio 0.5 at every step: it keeps at least 32 of the 52 "
+            "prompt tokens") in err
+    assert "measured at its end, after 1 tokens, it held 1.085" in err
     assert cli.main(["generate", "--strict", "--strategy", "snapkv", "--ratio", "0.5", "hi"]) == 3
 
 
@@ -101,6 +109,46 @@ def test_a_clean_job_has_no_warning_and_strict_exits_0(fake, capsys):
     assert cli.main(["generate", "--strict", "--ratio", "0.2", "hi"]) == 0
     assert "warning" not in capsys.readouterr().err
     assert fake.script.requests[0].budget.reserve_ratio == pytest.approx(0.2)
+
+
+def test_a_budget_refused_once_planned_exits_2_naming_the_flag(fake, capsys):
+    why = ("auto cannot hold reserve ratio 0.3 on this job (412 prompt tokens, 128 new tokens): the budget leaves "
+           "the prompt 19 tokens per KV head; reserve ratio 0.34 fits")
+    fake.script.events = events((1, [])) + [pb.JobEvent(job_id="job0", attempt=1, status=pb.JobStatus(
+        job_id="job0", state=pb.FAILED, error=f"budget.reserve_ratio: {why}", error_field="budget.reserve_ratio"))]
+    assert cli.main(["generate", "--ratio", "0.3", "hi"]) == 2
+    assert f"kvplan: error: --ratio: {why}" in capsys.readouterr().err
+
+
+def test_json_gives_every_count_as_a_number(fake, capsys):
+    fake.script.events = events((1, ["Hi"]), result=result(
+        "Hi", budget_floor_tokens=36, kv_reserved_bytes=5_000_000, predicted_kv_bytes=4_000_000,
+        per_layer=[pb.LayerStats(layer=0, kept_tokens=40, kv_bytes=100, full_kv_bytes=500, kind="quant")],
+        offload=pb.OffloadStats(host_kv_bytes=7), shrinks=[pb.Shrink(ratio=0.5, kv_bytes_before=9)]))
+    assert cli.main(["generate", "--json", "hi"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["budget_floor_tokens"], got["kv_reserved_bytes"], got["predicted_kv_bytes"]) == (36, 5_000_000, 4_000_000)
+    assert got["per_layer"][0]["kept_tokens"] == 40 and got["offload"]["host_kv_bytes"] == 7
+    assert got["shrinks"][0]["kv_bytes_before"] == 9
+    ints = [got[k] for k in ("prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes")]
+    assert all(type(x) is int for x in ints + [got["budget_floor_tokens"], got["kv_reserved_bytes"]])
+
+
+def test_a_cache_above_the_full_one_says_why(fake, capsys):
+    fake.script.events = events((1, ["Paris"]), result=result("Paris", strategy="full", prompt_tokens=40,
+                                                              generated_tokens=1, kv_bytes=1200, full_kv_bytes=1025,
+                                                              reserve_ratio=1.171))
+    assert cli.main(["generate", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "reserve ratio 1.171, above 1: the pool holds whole blocks of 16 rows per KV head and layer" in err
+
+
+def test_held_back_text_is_printed_from_the_result(fake, capsys):
+    """A stop sequence's possible start is held back from the deltas; the result has the rest."""
+    fake.script.events = events((1, ["Par"]), result=result("Paris", finish_reason="stop"))
+    assert cli.main(["generate", "--stop", "\n\n", "hi"]) == 0
+    assert capsys.readouterr().out.startswith("Paris\n")
+    assert list(fake.script.requests[0].stop) == ["\n\n"]
 
 
 def test_demo_prints_both_answers_and_both_byte_counts(embedded):

@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP API, tested with the official `openai` client and `curl -N`.
 
 Over the real model (the embedded services): a streamed chat completion under `auto` at 0.2
-reads usage.kv_bytes < usage.full_kv_bytes; a completion, the model list, SSE lines through
-curl, a client that goes away cancelling its job (streamed or not). Over a scripted executor (no model): bad
-input in OpenAI's error shape before any job exists, executor errors mapped to HTTP statuses,
-the Authorization header forwarded as gRPC metadata, a re-run's text not streamed twice."""
+reads usage.kv_bytes < usage.full_kv_bytes; a completion takes its prompt as it is (no chat
+template); stop sequences and logprobs in OpenAI's shapes for chat and completions, streamed
+and not; a budget the strategy cannot hold is 400 naming kv_ratio with the ratio that fits; the
+model list, SSE lines through curl, a client that goes away cancelling its job (streamed or
+not). Over a scripted executor (no model): bad input in OpenAI's error shape before any job
+exists (response_format refused, not ignored), executor errors mapped to HTTP statuses, the
+Authorization header forwarded as gRPC metadata, a re-run's text and log-probabilities not
+streamed twice."""
 from __future__ import annotations
 
 import json
@@ -62,12 +66,70 @@ def test_openai_client_streams_a_chat_completion_under_auto_at_0_2(real_api):
     assert usage.completion_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_openai_client_completion_and_models(real_api):
+def test_openai_client_completion_and_models(real_api, real_model_dir):
+    from transformers import AutoTokenizer
     client = _openai(real_api)
     assert [m.id for m in client.models.list()] == [MODEL]
-    got = client.completions.create(model=MODEL, prompt="What is the capital of France?", max_tokens=12)
+    prompt = "The capital of France is"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
     assert "Paris" in got.choices[0].text and got.id.startswith("cmpl-")
     assert got.usage.kv_strategy == "full" and got.usage.kv_bytes >= got.usage.full_kv_bytes > 0
+    # the text as it is, no chat template around it (which made "L'aujourcé! I" of this prompt)
+    assert got.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(real_model_dir)(prompt)["input_ids"])
+
+
+DAYS = [{"role": "user", "content": "List the days of the week, separated by commas."}]   # greedy: Monday .. Wednesday, Thursday ..
+
+
+def test_stop_and_logprobs_in_a_chat_completion_streamed_and_not(real_api):
+    client = _openai(real_api)
+    whole = client.chat.completions.create(model=MODEL, messages=DAYS, max_tokens=40, stop=["Thursday"],
+                                           logprobs=True, top_logprobs=3)
+    choice = whole.choices[0]
+    print(repr(choice.message.content), [t.token for t in choice.logprobs.content])
+    assert choice.finish_reason == "stop" and "Thursday" not in choice.message.content
+    assert "Wednesday" in choice.message.content
+    content = choice.logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
+    assert all(t.top_logprobs[0].token == t.token for t in content)          # greedy: the most likely is the chosen
+    assert "".join(t.token for t in content).startswith(choice.message.content)
+    stream = client.chat.completions.create(model=MODEL, messages=DAYS, max_tokens=40, stop=["Thursday"],
+                                            logprobs=True, top_logprobs=3, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content] == \
+        [t.token for t in content]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_and_logprobs_in_a_completion_streamed_and_not(real_api):
+    client = _openai(real_api)
+    whole = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=24, stop=[" six"],
+                                      logprobs=2)
+    choice = whole.choices[0]
+    print(repr(choice.text), choice.logprobs)
+    assert choice.finish_reason == "stop" and " six" not in choice.text and "five" in choice.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
+    assert all(len(top) == 2 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    stream = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=24, stop=[" six"],
+                                            logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+    offsets = [o for c in stream if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def test_a_budget_the_strategy_cannot_hold_is_400_with_the_ratio_that_fits(real_api):
+    with pytest.raises(openai.BadRequestError) as e:
+        _openai(real_api).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name three colours of the rainbow."}], max_tokens=8,
+            extra_body={"kv_strategy": "snapkv", "kv_ratio": 0.3})
+    err = e.value.body
+    print(err["message"])
+    assert err["param"] == "kv_ratio" and err["message"].startswith("kv_ratio: snapkv cannot hold reserve ratio 0.3")
+    assert "keeps at least 32" in err["message"] and " fits" in err["message"]
 
 
 def test_curl_shows_server_sent_events(real_api):
@@ -140,8 +202,14 @@ def test_a_client_that_goes_away_before_a_whole_answer_cancels_its_job(real_api)
     ({"kv_ratio": 0.2, "kv_tokens": 9}, "kv_tokens", "give one of kv_ratio, kv_tokens, kv_budget"),
     ({"kv_ration": 0.2}, "kv_ration", "unknown kvplan field"),
     ({"kv_ratio": "lots"}, "kv_ratio", "kv_ratio:"),
-    ({"n": 2}, "n", "only 1 choice"),
-    ({"stop": ["\n"]}, "stop", "not supported"),
+    ({"n": 2}, "n", "only 1 choice per request is supported, got 2"),
+    ({"stop": [""]}, "stop[0]", "stop[0]: must be 1 to 256 characters"),
+    ({"stop": ["a"] * 17}, "stop", "at most 16 stop sequences"),
+    ({"response_format": {"type": "json_object"}}, "response_format", 'only {"type": "text"} is supported'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "no JSON schema"),
+    ({"top_logprobs": 2}, "top_logprobs", 'needs "logprobs": true'),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20], got 21"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
     ({"temperature": -1}, "temperature", "must be >= 0"),
 ])
 def test_bad_input_is_400_in_openais_error_shape_before_any_job(fake, extra, param, words):
@@ -206,6 +274,25 @@ def test_a_rerun_is_not_streamed_twice_and_a_sampled_request_gets_a_seed(fake):
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
     assert "".join(pieces) == "The capital is Paris."
     assert fake.script.requests[0].HasField("seed")           # a re-run replays the same sampled text
+
+
+def test_a_rerun_streams_each_tokens_logprob_once(fake):
+    def delta(attempt, text, *ids):
+        return pb.JobEvent(job_id="job0", attempt=attempt, delta=pb.TokenDelta(
+            text=text, token_ids=list(ids), logprobs=[pb.TokenLogprob(token_id=i, token=f"t{i}", logprob=-0.5,
+                                                                      top=[pb.TopLogprob(token_id=i, token=f"t{i}",
+                                                                                         logprob=-0.5)])
+                                                      for i in ids]))
+    head = events()
+    fake.script.events = [head[0], delta(1, "A", 1), delta(1, "B", 2), delta(2, "A", 1), delta(2, "B", 2),
+                          delta(2, "C", 3), pb.JobEvent(job_id="job0", attempt=2, result=result("ABC"))]
+    stream = _openai(fake.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       stream=True, logprobs=True, top_logprobs=1)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "ABC"
+    assert [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content] == \
+        ["t1", "t2", "t3"]
+    assert fake.script.requests[0].top_logprobs == 1
 
 
 def test_a_failed_job_mid_stream_is_an_error_event(fake):

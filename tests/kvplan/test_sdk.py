@@ -1,8 +1,10 @@
 """The Python SDK: the README's example runs as written and prints the answer and its ratio;
 `kvplan.Client` over the real model (generate -> Result, stream -> text pieces, a budget with
-no strategy is `auto`'s, bad input is ValueError naming the field); over a scripted executor: a
-broken stream re-attaches to its job and a re-run's text is yielded once, the API key travels
-as metadata, an address that does not answer says so."""
+no strategy is `auto`'s, bad input is ValueError naming the SDK's own argument — also a budget
+its strategy cannot hold, refused with the ratio that would fit; stop sequences end the text);
+over a scripted executor: a broken stream re-attaches to its job and a re-run's text is yielded
+once, the API key travels as metadata, a refused key is the SDK's AuthenticationError (a real
+executor's refusal: tests/kvplan/test_auth.py), an address that does not answer says so."""
 from __future__ import annotations
 
 import re
@@ -14,7 +16,7 @@ import pytest
 
 import kvplan
 from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
-from tests.conftest import free_port
+from cachestore.process import free_port
 from tests.kvplan.fake_executor import FakeExecutor, events, result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,11 +49,18 @@ def test_client_generates_and_streams_over_the_real_model(embedded):
         s = client.stream("What is the capital of France?", max_new_tokens=12)
         pieces = list(s)
         assert len(pieces) > 1 and "".join(pieces) == s.result.text and "Paris" in s.result.text
-        with pytest.raises(ValueError, match=r"budget\.reserve_ratio: must be in \(0, 1\]"):
-            client.generate("hi", ratio=1.5)
-        short = client.generate("Name three colours of the rainbow.", strategy="snapkv", ratio=0.5, max_new_tokens=4)
-        assert short.budget_met is False and short.budget_floor_tokens == 32      # its window alone is above 0.5
-        assert short.reserve_ratio > 0.5 and "could not hold reserve ratio 0.5" in short.warnings(0.5)[0]
+        with pytest.raises(ValueError, match=r"^ratio: must be in \(0, 1\], got 1\.5$"):
+            client.generate("hi", ratio=1.5)                 # the SDK's argument, not budget.reserve_ratio
+        with pytest.raises(ValueError, match=r"^ratio: snapkv cannot hold reserve ratio 0\.5 on this job \(\d+ prompt "
+                                             r"tokens, 4 new tokens\).* keeps at least 32; reserve ratio (0\.\d+|1) fits"):
+            client.generate("Name three colours of the rainbow.", strategy="snapkv", ratio=0.5, max_new_tokens=4)
+        stopped = client.generate("List the days of the week, separated by commas.", max_new_tokens=40,
+                                  stop=["Wednesday"], logprobs=2)
+        assert stopped.finish_reason == "stop" and "Wednesday" not in stopped.text and "Tuesday" in stopped.text
+        lps = stopped.raw.logprobs
+        assert len(lps) == stopped.generated_tokens and all(len(x.top) == 2 and x.logprob <= 0 for x in lps)
+        assert all(x.top[0].logprob >= x.logprob - 1e-4 for x in lps)      # greedy: the top token is the chosen one
+        assert [x.token_id for x in lps] == [x.top[0].token_id for x in lps]
 
 
 def test_a_broken_stream_reattaches_and_a_rerun_is_yielded_once():
@@ -64,6 +73,17 @@ def test_a_broken_stream_reattaches_and_a_rerun_is_yielded_once():
         assert fx.script.calls == ["Generate", "WatchJob"]
         assert {m["authorization"] for m in fx.script.metadata} == {"Bearer sk-a"}
         assert fx.script.requests[0].HasField("seed")      # sampled: a seed, so a re-run replays the text
+
+
+def test_a_refused_key_is_the_sdks_own_error():
+    import grpc
+    with FakeExecutor() as fx, kvplan.Client(fx.address, api_key="kvp_wrong") as client:
+        fx.script.reject = (grpc.StatusCode.UNAUTHENTICATED, "unknown API key", ())
+        with pytest.raises(kvplan.AuthenticationError, match="refused the API key \\(unknown API key\\).*KVPLAN_API_KEY"):
+            client.generate("hi")
+        fx.script.reject = (grpc.StatusCode.INVALID_ARGUMENT, "budget.kv_tokens: must be >= 1, got 0", ())
+        with pytest.raises(ValueError, match=r"^kv_tokens: must be >= 1, got 0$"):
+            client.generate("hi", kv_tokens=0)
 
 
 def test_a_failed_job_raises_job_failed():

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvplan import auth, serving
+from kvplan import keyfile, serving
 from kvplan.channels import client_channel
 from kvplan.config import PlannerConfig, SecurityConfig, from_env
 from planner.service import build_service
@@ -84,7 +84,7 @@ def _refused(addr: str, sec: SecurityConfig) -> grpc.StatusCode:
 async def test_tls_server_with_api_keys(pki, tmp_path, monkeypatch):
     p = pki["ours"]
     keys = tmp_path / "keys.json"
-    key = auth.add_key(keys, "a", "user")
+    key = keyfile.add_key(keys, "a", "user")
     server_sec = SecurityConfig(auth="on", keys_file=str(keys), tls_cert_file=p["server_cert"],
                                 tls_key_file=p["server_key"])
     server, svc, addr = await _planner(server_sec)

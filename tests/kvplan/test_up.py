@@ -15,9 +15,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvplan import auth, cli, cluster
+from kvplan import cli, cluster, keyfile
 from kvplan.config import ConfigError
-from tests.conftest import free_port
+from cachestore.process import free_port
 
 
 def _time_wait(port: int) -> None:
@@ -91,11 +91,11 @@ def test_a_cluster_whose_processes_are_all_gone_is_no_cluster(state):
 @pytest.mark.parametrize("services_key", ["", "user", "stranger"])
 def test_up_with_ones_own_keys_file_and_no_services_key_refuses_to_start(state, monkeypatch, capsys, services_key):
     keys = state.parent / "keys.json"
-    user = auth.add_key(keys, "acme", "user")
+    user = keyfile.add_key(keys, "acme", "user")
     monkeypatch.setenv("KVPLAN_AUTH", "on")
     monkeypatch.setenv("KVPLAN_AUTH_KEYS_FILE", str(keys))
     if services_key:
-        monkeypatch.setenv("KVPLAN_API_KEY", user if services_key == "user" else auth.new_key())
+        monkeypatch.setenv("KVPLAN_API_KEY", user if services_key == "user" else keyfile.new_key())
     for name in ("PLANNER", "CACHESTORE", "EXECUTOR", "HTTP"):
         monkeypatch.setenv(f"KVPLAN_{name}_PORT", str(free_port()))
     assert cli.main(["up"]) == 2
@@ -106,15 +106,15 @@ def test_up_with_ones_own_keys_file_and_no_services_key_refuses_to_start(state, 
 
 def test_up_keeps_the_keys_added_since_and_replaces_only_its_own(state):
     env = {"KVPLAN_AUTH": "on"}
-    first = auth.cluster_keys(state, env)
-    admin = (state / auth.ADMIN_KEY_FILE).read_text().strip()
-    added = auth.add_key(state / auth.KEYS_FILE, "acme", "user", weight=2)     # `kvplan keys add`
-    second = auth.cluster_keys(state, env)                                       # the next `kvplan up`
-    ring = auth.KeyRing(state / auth.KEYS_FILE)
-    assert ring.lookup(added) == auth.Identity("acme", "user", weight=2.0) and ring.weight("acme") == 2.0
+    first = keyfile.cluster_keys(state, env)
+    admin = (state / keyfile.ADMIN_KEY_FILE).read_text().strip()
+    added = keyfile.add_key(state / keyfile.KEYS_FILE, "acme", "user", weight=2)     # `kvplan keys add`
+    second = keyfile.cluster_keys(state, env)                                       # the next `kvplan up`
+    ring = keyfile.KeyRing(state / keyfile.KEYS_FILE)
+    assert ring.lookup(added) == keyfile.Identity("acme", "user", weight=2.0) and ring.weight("acme") == 2.0
     assert ring.lookup(admin) is None and ring.lookup(first["KVPLAN_API_KEY"]) is None   # the last up's: gone
     assert ring.lookup(second["KVPLAN_API_KEY"]).role == "admin"
-    assert ring.lookup((state / auth.ADMIN_KEY_FILE).read_text().strip()).role == "admin"
+    assert ring.lookup((state / keyfile.ADMIN_KEY_FILE).read_text().strip()).role == "admin"
 
 
 @pytest.mark.parametrize("weight", [0, -1, 1e9, True, "2"])
@@ -122,14 +122,14 @@ def test_a_bad_weight_in_the_keys_file_is_a_config_error(tmp_path, weight):
     f = tmp_path / "keys.json"
     f.write_text(json.dumps({"keys": {"sha256:" + "0" * 64: {"tenant": "a", "role": "user", "weight": weight}}}))
     with pytest.raises(ConfigError, match="weight"):
-        auth.KeyRing(f)
+        keyfile.KeyRing(f)
 
 
 def test_keys_add_sets_a_tenants_weight_and_refuses_a_bad_one(tmp_path, capsys):
     f = tmp_path / "keys.json"
     assert cli.main(["keys", "add", "--tenant", "gold", "--weight", "3", "--file", str(f)]) == 0
     key = capsys.readouterr().out.strip()
-    assert auth.KeyRing(f).lookup(key).weight == 3.0 and auth.KeyRing(f).weight("gold") == 3.0
-    assert auth.KeyRing(f).weight("nobody") == 1.0
+    assert keyfile.KeyRing(f).lookup(key).weight == 3.0 and keyfile.KeyRing(f).weight("gold") == 3.0
+    assert keyfile.KeyRing(f).weight("nobody") == 1.0
     assert cli.main(["keys", "add", "--tenant", "gold", "--weight", "0", "--file", str(f)]) == 2
     assert "--weight: must be a number in (0, 1000]" in capsys.readouterr().err

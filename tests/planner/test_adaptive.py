@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from planner import adaptive
-from planner.request import InvalidRequest, ModelShape, PlanInput
+from kvcore.request import InvalidRequest
+from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 from protos import common_pb2, planner_pb2
 from tests.planner.fakes import CountingProbe
@@ -79,7 +80,7 @@ def test_without_a_load_nothing_presses():
 
 @pytest.mark.parametrize("field, value", [("floor_ratio", 1.5), ("floor_ratio", -0.1), ("min_retained", float("nan"))])
 def test_a_bad_adaptive_budget_names_its_field(field, value):
-    from planner.request import adaptive_of
+    from kvcore.request import adaptive_of
     with pytest.raises(InvalidRequest) as e:
         adaptive_of(common_pb2.Budget(adaptive=common_pb2.Adaptive(**{field: value})))
     assert e.value.field == f"budget.adaptive.{field}"

@@ -10,7 +10,8 @@ from executor.runner import Runner
 from planner import auto
 from kvcore.statistics import Losses, ProbeStats
 from planner.probe import Prober
-from planner.request import InvalidRequest, ModelShape, PlanInput
+from kvcore.request import InvalidRequest
+from planner.request import ModelShape, PlanInput
 
 TOKENS = list(range(1000, 1200))      # 200 context tokens
 

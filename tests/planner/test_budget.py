@@ -58,7 +58,8 @@ def test_at_every_step_the_job_holds_at_most_its_ratio(r, suffix, new):
 
 
 def test_a_negative_count_is_rejected_naming_the_field():
-    from planner.request import InvalidRequest, parse
+    from kvcore.request import InvalidRequest
+    from planner.request import parse
     from protos import common_pb2, planner_pb2
     req = planner_pb2.PlanRequest(prompt_tokens=10, new_tokens=-1, budget=common_pb2.Budget(reserve_ratio=0.5),
                                   model=planner_pb2.ModelShape(num_layers=2, num_kv_heads=1, num_query_heads=2,

@@ -8,7 +8,8 @@ from planner import xkv
 from planner.allocation import uniform_keep_counts
 from planner.compose import Composed, apportion, merge_pairs, merged_share
 from planner.definition import loads
-from planner.request import InvalidRequest, ModelShape, PlanInput
+from kvcore.request import InvalidRequest
+from planner.request import ModelShape, PlanInput
 from tests.planner.fakes import CountingProbe, stats
 
 SHAPE = ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="fp")

@@ -179,23 +179,48 @@ async def test_a_compressing_budget_without_a_strategy_is_planned_by_auto_not_fu
         await _close(server, svc, ch)
 
 
-@pytest.mark.parametrize("strategy, prompt, ratio, new, met, floor", [
-    ("snapkv", 4096, 0.2, 0, True, 32),        # the window fits the budget
-    ("snapkv", 52, 0.5, 0, False, 32),         # 26 tokens asked, the window alone is 32
-    ("snapkv", 37, 0.2, 0, False, 32),         # 7 asked
-    ("streaming_llm", 200, 0.2, 0, True, 25),  # its window is what the budget leaves after 4 sinks (and 15 rows
+@pytest.mark.parametrize("strategy, prompt, ratio, new, floor", [
+    ("snapkv", 4096, 0.2, 0, 32),              # the window fits the budget
+    ("streaming_llm", 200, 0.2, 0, 25),        # its window is what the budget leaves after 4 sinks (and 15 rows
                                                # a stream for whole pool blocks: 40 - 15 = 25)
-    ("snapkv", 300, 0.5, 256, False, 32),      # 150 asked, but 256 new rows come out of it first
-    ("full", 4096, 0.5, 0, False, 4096),       # `full` named: it never compresses, and says so
-    ("full", 4096, 1.0, 0, True, 4096),
+    ("full", 4096, 1.0, 0, 4096),
 ])
-async def test_every_plan_says_whether_it_holds_the_budget(strategy, prompt, ratio, new, met, floor):
+async def test_a_plan_that_holds_the_budget_says_so(strategy, prompt, ratio, new, floor):
     server, svc, ch, stub = await _planner()
     try:
         req = planner_pb2.PlanRequest(job_id="j", prompt_tokens=prompt, model=SHAPE, strategy=strategy,
                                       budget=common_pb2.Budget(reserve_ratio=ratio), new_tokens=new)
         plan = CompressionPlan.from_proto(await stub.Plan(req, timeout=5))
-        assert (plan.budget_met, plan.budget_floor_tokens) == (met, floor)
+        assert (plan.budget_met, plan.budget_floor_tokens) == (True, floor)
+    finally:
+        await _close(server, svc, ch)
+
+
+@pytest.mark.parametrize("strategy, prompt, budget, new, words", [
+    # 26 tokens asked, the window alone is 32 (whole blocks: the budget leaves 11)
+    ("snapkv", 52, common_pb2.Budget(reserve_ratio=0.5), 0,
+     "snapkv cannot hold reserve ratio 0.5 on this job (52 prompt tokens, 0 new tokens): the budget leaves the "
+     "prompt 11 tokens per KV head in blocks of 16 rows, and snapkv keeps at least 32; reserve ratio 0.91 fits"),
+    ("snapkv", 37, common_pb2.Budget(reserve_ratio=0.2), 0, "keeps at least 32; reserve ratio 1 fits"),
+    # 150 asked, but 256 new rows come out of it first
+    ("snapkv", 300, common_pb2.Budget(reserve_ratio=0.5), 256,
+     "the budget leaves the prompt 7 tokens per KV head once the rows the job adds — kept whole, in blocks of 16 "
+     "— are paid for, and snapkv keeps at least 32; reserve ratio 0.55 fits, or at most 206 new tokens fit "
+     "reserve ratio 0.5"),
+    ("full", 4096, common_pb2.Budget(reserve_ratio=0.5), 0, "full keeps at least 4096; reserve ratio 1 fits"),
+    ("snapkv", 300, common_pb2.Budget(kv_tokens=40), 0, "snapkv cannot hold kv_tokens 40 on this job"),
+])
+async def test_a_budget_the_plan_cannot_hold_is_refused_with_what_would_fit(strategy, prompt, budget, new, words):
+    """Before: the plan said budget_met=false and the job ran anyway, answering garbage."""
+    server, svc, ch, stub = await _planner()
+    try:
+        req = planner_pb2.PlanRequest(job_id="j", prompt_tokens=prompt, model=SHAPE, strategy=strategy,
+                                      budget=budget, new_tokens=new)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Plan(req, timeout=5)
+        field = "budget.reserve_ratio" if budget.WhichOneof("kind") == "reserve_ratio" else "budget.kv_tokens"
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field + ": ")
+        assert words in e.value.details()
     finally:
         await _close(server, svc, ch)
 
@@ -283,8 +308,8 @@ async def test_predict_fills_both_figures_for_any_strategy_from_one_repeat_mode_
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Plan(_ratio_req(strategy="snapkv", token_ids=ids, predict=True, model=small), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("model:")
-        full = CompressionPlan.from_proto(await stub.Plan(_ratio_req(strategy="full", token_ids=ids, predict=True),
-                                                          timeout=5))
+        full = CompressionPlan.from_proto(await stub.Plan(          # full asks no budget (one it cannot hold is refused)
+            _ratio_req(strategy="full", token_ids=ids, predict=True, budget=common_pb2.Budget()), timeout=5))
         assert (full.predicted_retained_attention, full.predicted_copy_retained_attention) == (1.0, 1.0)
     finally:
         await _close(server, svc, ch)

@@ -194,3 +194,26 @@ def test_a_plan_that_comes_after_the_context_compresses_the_same_cache(tiny_mode
     after.apply_plan(b, plan)
     after.run_all()
     assert b.generated == a.generated and b.cache.layer_bytes() == a.cache.layer_bytes()
+
+
+def test_admission_is_fair_across_tenants_when_bytes_are_short(tiny_model):
+    """One tenant's backlog queued first, another's job after it: when room comes, the second
+    tenant's job is admitted before the rest of the backlog (deficit round robin by tokens), and
+    a tenant's own jobs go in their order."""
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), max_batched_tokens=64, prefill_chunk=32,
+                       tenant_weight=lambda t: 1.0)
+    plan = full_plan(tiny_model.num_layers, "f")
+    prompt = Prompt(list(range(100, 360)), [])                       # 264 tokens a job: one a 256-token turn
+    need = engine.reservation(plan, prompt, Sampling(4))
+    engine.budget.total = need                                       # one job at a time
+    flood = [engine.sequence(prompt, plan, Sampling(4), tenant="flood") for _ in range(4)]
+    late = engine.sequence(prompt, plan, Sampling(4), tenant="late")
+    for seq in flood + [late]:
+        engine.add(seq)
+    order = []
+    while engine.has_work():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq not in order:
+                order.append(seq)
+    assert order.index(late) <= 1 and [s for s in order if s is not late] == flood
