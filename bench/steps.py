@@ -26,22 +26,25 @@ GEMMS = ("_linear_pointwise", "linear", "addmm", "mm", "matmul", "bmm")
 KERNELS = ("kvplan_cpu_decode",)
 
 
-def _engine(lm, n: int) -> LLMEngine:
+def _engine(lm, n: int, steps: int) -> LLMEngine:
+    """n sequences decoding, each with room for `steps` more tokens: its reservation (context +
+    max_new_tokens rows) small enough that all n are admitted at once from the pool."""
     engine = LLMEngine(lm, torch.float16, KVBudget(1 << 34), max_batched_tokens=4096, prefill_chunk=512)
     rng = random.Random(n)
     seqs = [engine.sequence(Prompt([rng.randrange(100, 40000)], []), full_plan(lm.num_layers, "f"),
-                            Sampling(100_000, ignore_eos=True)) for _ in range(n)]
+                            Sampling(steps + 16, ignore_eos=True)) for _ in range(n)]
     for s in seqs:
         engine.add(s)
     while any(s.status is not Status.DECODE for s in seqs) or not engine.inbox.empty():
         engine.step()
+        assert not any(s.status is Status.FINISHED for s in seqs), "a sequence ended before all decode"
     for _ in range(3):
         engine.step()
     return engine
 
 
 def measure(lm, n: int, reps: int) -> dict:
-    engine = _engine(lm, n)
+    engine = _engine(lm, n, 2 * reps)
     t0 = time.perf_counter()
     for _ in range(reps):
         engine.step()

@@ -250,12 +250,23 @@ class Worker:
         """The job's events, in order, into its event log. An event that cannot be written loses
         the job here (its entry stays un-acked for a re-claim); the queue still drains, so its
         end is never waited on forever."""
+        planning = None                               # the plan its own prefill's statistics asked for
         while True:
             kind, payload = await job.events.get()
             try:
                 if kind == "context":                 # its context is prefilled: plan it from what that gathered
-                    job.tasks.append(asyncio.create_task(self._plan_after(job, payload)))
+                    planning = asyncio.create_task(self._plan_after(job, payload))
+                    job.tasks.append(planning)
                     continue
+                if kind == "delta" and planning is not None:
+                    try:                              # the first token waits for the plan: a job its plan
+                        await asyncio.shield(planning)    # refuses streams no text before its error
+                    except asyncio.CancelledError:
+                        if not planning.cancelled():  # this pump is cancelled, not the planning
+                            raise
+                    planning = None
+                    if job.failed:
+                        continue
                 if kind == "progress":
                     ev = pb.JobEvent(progress=pb.Progress(phase="prefill", done=payload[0], total=payload[1]))
                 else:
@@ -284,7 +295,8 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except Exception as e:                        # refused, or the planner failed: the job fails, says why
-            log.warning("job %s: no plan for its statistics (%s)", job.claim.job_id, e)
+            (log.info if isinstance(e, InvalidRequest) else log.warning)(    # a refusal is the job's answer
+                "job %s: no plan for its statistics (%s)", job.claim.job_id, e)
             job.status.error = str(e) if isinstance(e, InvalidRequest) else f"planning failed: {type(e).__name__}: {e}"
             job.status.error_field = e.field if isinstance(e, InvalidRequest) else ""
             job.failed = True

@@ -1,7 +1,8 @@
 """The Python SDK: the README's example runs as written and prints the answer and its ratio;
 `kvplan.Client` over the real model (generate -> Result, stream -> text pieces, a budget with
 no strategy is `auto`'s, bad input is ValueError naming the SDK's own argument — also a budget
-its strategy cannot hold, refused with the ratio that would fit; stop sequences end the text);
+its strategy cannot hold, refused with the ratio that would fit, and after auto's own prefill
+with no text streamed first; stop sequences end the text);
 over a scripted executor: a broken stream re-attaches to its job and a re-run's text is yielded
 once, the API key travels as metadata, a refused key is the SDK's AuthenticationError (a real
 executor's refusal: tests/kvplan/test_auth.py), an address that does not answer says so."""
@@ -61,6 +62,20 @@ def test_client_generates_and_streams_over_the_real_model(embedded):
         assert len(lps) == stopped.generated_tokens and all(len(x.top) == 2 and x.logprob <= 0 for x in lps)
         assert all(x.top[0].logprob >= x.logprob - 1e-4 for x in lps)      # greedy: the top token is the chosen one
         assert [x.token_id for x in lps] == [x.top[0].token_id for x in lps]
+
+
+def test_auto_refused_after_its_prefill_streams_no_text_before_the_error(embedded):
+    """auto plans from its own prefill's statistics, so its refusal of a budget comes after the
+    prefill, when the first token is already sampled; before, that token ("The") was streamed and
+    then the job failed. Now the first token waits for the plan."""
+    context = " ".join(DEMO_CONTEXT.split(" ")[:282])                 # ~413 tokens with the template
+    with kvplan.Client(embedded.executor_addr) as client:
+        s = client.stream(context, strategy="auto", ratio=0.3, max_new_tokens=128)
+        pieces = []
+        with pytest.raises(ValueError, match=r"^ratio: auto cannot hold reserve ratio 0\.3 .* reserve ratio 0\.\d+ fits"):
+            for piece in s:
+                pieces.append(piece)
+        assert pieces == []
 
 
 def test_a_broken_stream_reattaches_and_a_rerun_is_yielded_once():
