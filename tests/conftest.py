@@ -11,6 +11,11 @@ import pytest
 # Services started by tests (in process and as subprocesses) run without API keys unless a test
 # turns authentication on itself (tests/kvplan/test_auth.py); production defaults to on.
 os.environ.setdefault("KVPLAN_AUTH", "off")
+# Tests never meet the developer's own `kvplan up` cluster (~/.cache/kvplan/cluster): an in-process
+# CLI call would take its admin key into KVPLAN_API_KEY, which later tests' services do not know.
+# A test that wants a cluster's state dir sets KVPLAN_STATE_DIR itself.
+import tempfile  # noqa: E402
+os.environ["KVPLAN_STATE_DIR"] = tempfile.mkdtemp(prefix="kvplan-test-state-")
 
 from cachestore.process import free_port
 from kvplan.cluster import wait_redis
@@ -87,3 +92,15 @@ def tiny_model(tiny_model_dir, model_cfg):
     import dataclasses
     from kvplan import model
     return model.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir)))
+
+
+@pytest.fixture(autouse=True)
+def _api_key_restored():
+    """KVPLAN_API_KEY as it was before the test: the CLI sets it (`keyfile.use_cluster_key`) when a
+    test calls it in process, and a key one test's cluster made means nothing to the next."""
+    before = os.environ.get("KVPLAN_API_KEY")
+    yield
+    if before is None:
+        os.environ.pop("KVPLAN_API_KEY", None)
+    else:
+        os.environ["KVPLAN_API_KEY"] = before
