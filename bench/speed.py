@@ -193,7 +193,7 @@ def statistics_overhead(h: Harness, ids: list[int], repeats: int, ratio: float =
         got = {}
         seq = engine.sequence(Prompt(ids, []), full_plan(lm.num_layers, "p"), Sampling(1),
                               emit=lambda kind, x: got.setdefault(kind, x),
-                              statistics=kstats.LayerStatistics("repeat", True) if gather else None)
+                              statistics=kstats.LayerStatistics("repeat", True, shares=False) if gather else None)
         engine.add(seq)
         t0 = time.perf_counter()
         engine.run_all()                                 # its one token ends it: no plan is applied

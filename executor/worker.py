@@ -223,7 +223,8 @@ class Worker:
                                           len(prompt.context_ids), lm, suffix_tokens=len(prompt.question_ids),
                                           new_tokens=checked.max_new_tokens)
         info = await self.planner.strategy_for(req.strategy, req.budget) if self.cfg.plan_from_prefill else None
-        statistics = LayerStatistics(info.probe_mode, info.probe_losses) if info and info.probe_mode else None
+        statistics = LayerStatistics(info.probe_mode, info.probe_losses, shares=False) \
+            if info and info.probe_mode else None                   # (the similar-row shares: no plan reads them)
         plan, store = None, None
         if statistics is None:                        # the plan first: its strategy needs nothing of the prefill
             job.outcome = await job.plan_call(token_ids=prompt.context_ids, load=await self._load(job))

@@ -6,6 +6,7 @@ kept tokens."""
 import math
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -67,3 +68,33 @@ def test_the_losses_are_the_attention_error_of_each_storage_form():
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7, err_msg=f"{name} at {t} tokens")
         assert got[0][0] == 0.0 and got[0][-1] > got[0][1] > 0          # all kept: exact; fewer kept: worse
         assert 0 < got[2][1] < got[2][2] < got[2][3]                      # 8 < 4 < 2 bits
+
+
+def test_angle_is_the_mean_arccos_of_the_rows_cosines():
+    torch.manual_seed(1)
+    a, b = torch.randn(3, 50, 64), torch.randn(3, 50, 64)
+    want = float(torch.arccos(F.cosine_similarity(a, b, dim=-1).clamp(-1, 1)).mean() / math.pi)
+    assert S.angle(a, b) == pytest.approx(want, abs=1e-6)
+    assert S.angle(a, a) == pytest.approx(0.0, abs=1e-3) and S.angle(a, -a) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_without_shares_the_statistics_travel_and_check_as_with_them():
+    """The executor's prefill leaves the similar-row shares out (no plan reads them): its
+    statistics say so with none, and the planner's check takes none or one a layer, not other counts."""
+    torch.manual_seed(2)
+    m, hk, h, t, d = 3, 2, 4, 40, 16
+    got = {}
+    for shares in (True, False):
+        st = S.LayerStatistics("repeat", False, window=8, shares=shares)
+        for _ in range(m):
+            k, v = torch.randn(hk, t, d), torch.randn(hk, t, d)
+            st.add(torch.randn(h, 8, d), k, k, v, 0.25)
+        got[shares] = st.result()
+    assert got[True].k_similar.shape == (m,) and got[False].k_similar.shape == got[False].v_similar.shape == (0,)
+    assert got[False].k_angle.shape == (m - 1,)
+    back = S.from_proto(S.to_proto(got[False]), m, h, t)
+    assert back.k_similar.shape == (0,) and np.allclose(back.k_angle, got[False].k_angle)
+    msg = S.to_proto(got[True])
+    del msg.k_similar[-1]
+    with pytest.raises(ValueError, match=r"^stats\.k_similar: expected 3 values, got 2$"):
+        S.from_proto(msg, m, h, t)
