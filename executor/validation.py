@@ -77,17 +77,23 @@ def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int, max_co
     top_p = req.top_p if req.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p:g}")
-    if len(req.stop) > MAX_STOPS:
-        raise InvalidRequest("stop", f"at most {MAX_STOPS} stop sequences, got {len(req.stop)}")
-    for i, stop in enumerate(req.stop):
-        if not 1 <= len(stop) <= MAX_STOP_CHARS:
-            raise InvalidRequest(f"stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters, got {len(stop)}")
+    check_stops(req.stop)
     k = req.top_logprobs if req.HasField("top_logprobs") else None
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
     ratio, tokens = validate_budget(req.budget)
     return Checked(messages, n, float(req.temperature), float(top_p),
                    req.seed if req.HasField("seed") else None, ratio, tokens, tuple(req.stop), k, req.raw_prompt)
+
+
+def check_stops(stops, item=lambda i: f"stop[{i}]") -> None:
+    """Stop sequences within their bounds (InvalidRequest naming `stop`, or `item(i)` for the i-th
+    one: the HTTP API names a lone string `stop`)."""
+    if len(stops) > MAX_STOPS:
+        raise InvalidRequest("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+    for i, stop in enumerate(stops):
+        if not 1 <= len(stop) <= MAX_STOP_CHARS:
+            raise InvalidRequest(item(i), f"must be 1 to {MAX_STOP_CHARS} characters, got {len(stop)}")
 
 
 def check_length(prompt: Prompt, max_new_tokens: int, max_context: int) -> None:

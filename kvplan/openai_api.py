@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from executor.validation import MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
+from executor.validation import MAX_TOP_LOGPROBS, check_stops
+from kvcore.request import InvalidRequest
 from kvplan.openai_errors import bad
 from protos import common_pb2, executor_pb2
 
@@ -242,12 +243,10 @@ def _request(body: RequestBody, max_tokens: int | None, param: str = "max_tokens
 
 def _stops(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOPS:
-        raise bad("stop", f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
-    for i, s in enumerate(stops):
-        if not 1 <= len(s) <= MAX_STOP_CHARS:
-            raise bad("stop" if isinstance(stop, str) else f"stop[{i}]",
-                      f"must be 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+    try:
+        check_stops(stops, (lambda i: "stop") if isinstance(stop, str) else (lambda i: f"stop[{i}]"))
+    except InvalidRequest as e:
+        raise bad(e.field, str(e).removeprefix(e.field + ": ")) from None
     return stops
 
 
