@@ -6,6 +6,7 @@ the health check's ping failed with them (NOT_SERVING)."""
 import asyncio
 import time
 
+import pytest
 import redis
 
 from executor.job_backend import PATIENCE
@@ -13,6 +14,15 @@ from executor.redis_jobs import RedisJobs
 
 WATCHERS = 300
 POOL = 8
+
+
+@pytest.fixture
+async def jobs(redis_db):
+    """The Redis job backend, open, over this test's flushed Redis."""
+    backend = RedisJobs(redis_db)
+    await backend.open()
+    yield backend
+    await backend.close()
 
 
 def _clients(url: str) -> int:
@@ -48,63 +58,48 @@ async def test_300_watchers_share_one_reader_and_the_health_ping_still_answers(r
         await jobs.close()
 
 
-async def test_a_new_watcher_is_woken_at_once_while_the_reader_blocks_on_others(redis_db):
-    jobs = RedisJobs(redis_db)
-    await jobs.open()
-    try:
-        for job in ("old", "new"):
-            await jobs.submit(job, b"req", b"s", "t")
-        old = asyncio.create_task(jobs.events("old", "0", block_ms=10_000))   # the reader blocks on "old"
-        await asyncio.sleep(0.3)
-        new = asyncio.create_task(jobs.events("new", "0", block_ms=10_000))
-        await asyncio.sleep(0.1)
-        t0 = time.perf_counter()
-        await jobs.append_event("new", b"first")
-        assert [e for _, e in await asyncio.wait_for(new, 5)] == [b"first"]
-        assert time.perf_counter() - t0 < 0.5           # not after the reader's 2 s block
-        await jobs.append_event("old", b"x")
-        assert [e for _, e in await asyncio.wait_for(old, 5)] == [b"x"]
-    finally:
-        await jobs.close()
+async def test_a_new_watcher_is_woken_at_once_while_the_reader_blocks_on_others(jobs):
+    for job in ("old", "new"):
+        await jobs.submit(job, b"req", b"s", "t")
+    old = asyncio.create_task(jobs.events("old", "0", block_ms=10_000))   # the reader blocks on "old"
+    await asyncio.sleep(0.3)
+    new = asyncio.create_task(jobs.events("new", "0", block_ms=10_000))
+    await asyncio.sleep(0.1)
+    t0 = time.perf_counter()
+    await jobs.append_event("new", b"first")
+    assert [e for _, e in await asyncio.wait_for(new, 5)] == [b"first"]
+    assert time.perf_counter() - t0 < 0.5           # not after the reader's 2 s block
+    await jobs.append_event("old", b"x")
+    assert [e for _, e in await asyncio.wait_for(old, 5)] == [b"x"]
 
 
-async def test_a_watcher_coming_back_reads_what_it_missed_and_a_replay_reads_everything(redis_db):
-    jobs = RedisJobs(redis_db)
-    await jobs.open()
-    try:
-        await jobs.submit("j", b"req", b"s", "t")
-        await jobs.append_event("j", b"a")
-        first = await jobs.events("j", "0", block_ms=100)
-        waiter = asyncio.create_task(jobs.events("j", first[-1][0], block_ms=5000))
-        await asyncio.sleep(0.2)
-        await jobs.append_event("j", b"b")
-        got = await asyncio.wait_for(waiter, 5)
-        await jobs.append_event("j", b"c")              # while nobody waits: kept for the next call
-        later = await jobs.events("j", got[-1][0], block_ms=1000)
-        assert [e for _, e in first + got + later] == [b"a", b"b", b"c"]
-        assert [e for _, e in await jobs.events("j", "0", block_ms=100)] == [b"a", b"b", b"c"]
-        assert await jobs.events("j", later[-1][0], block_ms=200) == []
-    finally:
-        await jobs.close()
+async def test_a_watcher_coming_back_reads_what_it_missed_and_a_replay_reads_everything(jobs):
+    await jobs.submit("j", b"req", b"s", "t")
+    await jobs.append_event("j", b"a")
+    first = await jobs.events("j", "0", block_ms=100)
+    waiter = asyncio.create_task(jobs.events("j", first[-1][0], block_ms=5000))
+    await asyncio.sleep(0.2)
+    await jobs.append_event("j", b"b")
+    got = await asyncio.wait_for(waiter, 5)
+    await jobs.append_event("j", b"c")              # while nobody waits: kept for the next call
+    later = await jobs.events("j", got[-1][0], block_ms=1000)
+    assert [e for _, e in first + got + later] == [b"a", b"b", b"c"]
+    assert [e for _, e in await jobs.events("j", "0", block_ms=100)] == [b"a", b"b", b"c"]
+    assert await jobs.events("j", later[-1][0], block_ms=200) == []
 
 
-async def test_the_reader_survives_a_redis_that_goes_away_and_comes_back(redis_db):
+async def test_the_reader_survives_a_redis_that_goes_away_and_comes_back(jobs, redis_db):
     """The hub's connection is dropped under it (CLIENT KILL): the reader reconnects, and the
     waiter still gets its event."""
-    jobs = RedisJobs(redis_db)
-    await jobs.open()
+    await jobs.submit("j", b"req", b"s", "t")
+    waiter = asyncio.create_task(jobs.events("j", "0", block_ms=15_000))
+    await asyncio.sleep(0.3)
+    r = redis.Redis.from_url(redis_db)
     try:
-        await jobs.submit("j", b"req", b"s", "t")
-        waiter = asyncio.create_task(jobs.events("j", "0", block_ms=15_000))
-        await asyncio.sleep(0.3)
-        r = redis.Redis.from_url(redis_db)
-        try:
-            r.client_kill_filter(_type="normal", skipme=True)
-        finally:
-            r.close()
-        await asyncio.sleep(0.5)
-        await jobs.append_event("j", b"after")
-        assert [e for _, e in await asyncio.wait_for(waiter, 10)] == [b"after"]
-        assert jobs.hub.alive and await jobs.ping()
+        r.client_kill_filter(_type="normal", skipme=True)
     finally:
-        await jobs.close()
+        r.close()
+    await asyncio.sleep(0.5)
+    await jobs.append_event("j", b"after")
+    assert [e for _, e in await asyncio.wait_for(waiter, 10)] == [b"after"]
+    assert jobs.hub.alive and await jobs.ping()
