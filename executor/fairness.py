@@ -3,8 +3,8 @@ weight per tenant. A pure policy: no I/O, no clock; the caller says what waits, 
 next.
 
 Used where the executor claims jobs from the queue (`executor.redis_jobs`, `executor.memory_jobs`:
-the head job of each tenant's waiting list), and meant for the engine's admission too (waiting
-sequences). The interface, for both:
+the head job of each tenant's waiting list) and where the engine admits waiting sequences
+(`executor.engine.scheduler`, with `peek` and `unpick`). The interface, for both:
 
     fair = FairQueue(weight=lambda tenant: 1.0, quantum=256)
     item = fair.pick([Waiting(key, tenant, cost), ...])     # -> one of them, or None if empty
