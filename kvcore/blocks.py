@@ -38,6 +38,16 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+def quant_shape(bits: int) -> tuple[int, int]:
+    """A KIVI group of the pool at `bits` (1, 2, 4 or 8) -> (rows it holds, channels sharing a value
+    scale): (192 // bits, 64 // bits). One group fills one page exactly for a head dim D that the
+    value group divides: codes 2·g·D·b/8 = 48·D bytes, K scale and zero per channel 4·D, V scale and
+    zero per row and value group 4·g·D/g_v = 12·D; 64·D in all, the page of 16 dense fp16 K and V rows."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"the pool quantizes at 1, 2, 4 or 8 bits, not {bits}")
+    return 192 // bits, 64 // bits
+
+
 @dataclass(frozen=True)
 class Layout:
     head_dim: int
