@@ -4,9 +4,9 @@ dense fp16 rows in one softmax — a layer whose oldest rows are quantized and n
 no second pass and no merge outside the kernel.
 
 A stream's storage (`kvcore.blocks`, `executor.engine.kv_pool`): groups 0..qn-1 at pages
-qtable[i] (one KIVI group of g rows a block: K codes per channel, V codes per token, fp16 scales
-and zeros, at qbits bits), then rows [dstart, dend) in dense blocks of R rows at pages
-dtable[r // R] (K rows [R, D] then V rows [R, D], fp16). `dstart` is a multiple of R.
+qtable[i] (one KIVI group of g rows a page at qbits bits, g = `kvcore.blocks.quant_shape`: K codes
+per channel, V codes per token, fp16 scales and zeros), then rows [dstart, dend) in dense pages of
+R rows at pages dtable[r // R] (K rows [R, D] then V rows [R, D], fp16).
 
     kernels     C++ on the CPU (`kernels/cpu_decode.cpp`, `paged_decode`: split-K over runs of
                 groups and of dense blocks, combined in a fixed order; AVX2 paths for the
@@ -23,7 +23,7 @@ import torch
 from kernels import cpu_extension
 from kernels._triton import HAS_TRITON, pow2_at_least, tl, triton
 from kernels.quant import unpack_dequantize_reference
-from kvcore.blocks import Layout
+from kvcore.blocks import QUANT_BITS, Layout
 
 TASK_ROWS = 256        # rows of one split-K task on the CPU
 ENABLED = True         # False: the reference everywhere (benches compare both in one process)
@@ -32,11 +32,12 @@ ENABLED = True         # False: the reference everywhere (benches compare both i
 def dequantize_groups(arena: torch.Tensor, pages: torch.Tensor, bits: int, layout: Layout
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups at `pages` [n] -> their K, V rows [n·g, D] fp32, in order."""
-    d, g, gv, page = layout.head_dim, layout.group, layout.value_group, layout.page_bytes
+    d, page = layout.head_dim, layout.page_bytes
     n = pages.numel()
     if n == 0:
         empty = torch.empty(0, d, dtype=torch.float32, device=arena.device)
         return empty, empty
+    g, gv = layout.group_rows(bits), layout.value_group(bits)
     gb = layout.quant_bytes(bits)
     at = pages.to(arena.device).long()[:, None] * page + torch.arange(gb, device=arena.device)   # [n, gb]
     raw = arena[at]                                                                               # [n, gb] u8
@@ -56,9 +57,16 @@ def dense_rows(arena: torch.Tensor, table: torch.Tensor, start: int, end: int, l
     in the storage dtype (fp16, or fp32 where the layout stores 4 bytes)."""
     rows = arena.view(torch.float16 if layout.itemsize == 2 else torch.float32).view(-1, layout.head_dim)
     r = torch.arange(start, end, device=table.device)
-    first = table.long()[r // layout.rows] * layout.page_bytes // layout.row_bytes
-    at = (first + r % layout.rows).to(arena.device)
+    at = (layout.first_row(table.long()[r // layout.rows]) + r % layout.rows).to(arena.device)
     return rows[at], rows[at + layout.rows]
+
+
+def widths(layout: Layout) -> tuple[list[int], list[int]]:
+    """A group's rows and a value scale's channels at each width 0..8 (0 where there is none)."""
+    rows, chans = [0] * 9, [0] * 9
+    for b in QUANT_BITS:
+        rows[b], chans[b] = layout.group_rows(b), layout.value_group(b)
+    return rows, chans
 
 
 def paged_decode_reference(q: torch.Tensor, arena: torch.Tensor, dtable: torch.Tensor, dstart: torch.Tensor,
@@ -104,7 +112,7 @@ def paged_decode(q: torch.Tensor, arena: torch.Tensor, dtable: torch.Tensor, dst
         return cpu_extension.module().paged_decode(
             q.float().contiguous(), arena, dtable.contiguous(), dstart.contiguous(), dend.contiguous(),
             qtable.contiguous(), qn.contiguous(), qbits.contiguous(), layout.page_bytes, layout.rows,
-            layout.group, layout.value_group, float(scaling), TASK_ROWS)
+            *widths(layout), float(scaling), TASK_ROWS)
     return paged_decode_reference(q, arena, dtable, dstart, dend, qtable, qn, qbits, layout, scaling)
 
 
@@ -117,13 +125,13 @@ if HAS_TRITON:
         out_ptr,      # [G, h, D] fp32 contiguous
         dt_ptr, ds_ptr, de_ptr,       # [G, MBd] int32, [G], [G]
         qt_ptr, qn_ptr, qb_ptr,       # [G, MBq] int32, [G], [G]
+        gr_ptr, gvp_ptr,              # [9] int32: a group's rows, a value scale's channels, per width
         MBD, MBQ, PAGE, scaling,
         H: tl.constexpr,              # query heads per stream
         HP: tl.constexpr,             # H rounded up to a power of two
         D: tl.constexpr,
         R: tl.constexpr,              # rows of a dense block
-        GQ: tl.constexpr,             # rows of a quant group
-        GV: tl.constexpr,             # channels sharing a value scale
+        TQ: tl.constexpr,             # rows of a quant tile (a group is 1..6 tiles)
     ):
         s = tl.program_id(0).to(tl.int64)
         hh = tl.arange(0, HP)
@@ -134,32 +142,44 @@ if HAS_TRITON:
         l_i = tl.zeros([HP], tl.float32)
         acc = tl.zeros([HP, D], tl.float32)
         half_ptr = arena_ptr.to(tl.pointer_type(tl.float16))
-        # quantized groups
+        # quantized groups: g rows each (g = 192 / bits, or the small-head layout's), in tiles of TQ rows
         n_groups = tl.load(qn_ptr + s)
         bits = tl.load(qb_ptr + s)
         n_groups = tl.where(bits > 0, n_groups, 0)
-        per = 8 // tl.maximum(bits, 1)
+        bits = tl.maximum(bits, 1)
+        g = tl.load(gr_ptr + bits)
+        gv = tl.load(gvp_ptr + bits)
+        per = 8 // bits
         levels_mask = (1 << bits) - 1
-        t = tl.arange(0, GQ)
-        off_ks = D * GQ * bits // 8
+        tt = tl.arange(0, TQ)
+        off_ks = D * g * bits // 8
         off_kz = off_ks + D * 2
         off_vc = off_kz + D * 2
-        off_vs = off_vc + GQ * D * bits // 8
-        off_vz = off_vs + GQ * (D // GV) * 2
-        for j in range(0, n_groups):
+        off_vs = off_vc + g * D * bits // 8
+        off_vz = off_vs + g * (D // gv) * 2
+        tiles = (g + TQ - 1) // TQ
+        for jt in range(0, n_groups * tiles):
+            j = jt // tiles
+            t = (jt % tiles) * TQ + tt
+            valid = t < g
             base = tl.load(qt_ptr + s * MBQ + j).to(tl.int64) * PAGE
-            # keys [GQ, D]: channel e's codes are bytes base + e * (GQ*bits/8) ..., token t in byte t // per
-            kbyte = tl.load(arena_ptr + base + d[None, :] * (GQ * bits // 8) + t[:, None] // per).to(tl.int32)
+            # keys [TQ, D]: channel e's codes are bytes base + e * (g*bits/8) ..., token t in byte t // per
+            kbyte = tl.load(arena_ptr + base + d[None, :] * (g * bits // 8) + t[:, None] // per,
+                            mask=valid[:, None], other=0).to(tl.int32)
             kcode = (kbyte >> ((t[:, None] % per) * bits)) & levels_mask
             ks = tl.load(half_ptr + (base + off_ks) // 2 + d).to(tl.float32)
             kz = tl.load(half_ptr + (base + off_kz) // 2 + d).to(tl.float32)
-            k = kcode.to(tl.float32) * ks[None, :] + kz[None, :]                          # [GQ, D]
-            vbyte = tl.load(arena_ptr + base + off_vc + t[:, None] * (D * bits // 8) + d[None, :] // per).to(tl.int32)
+            k = kcode.to(tl.float32) * ks[None, :] + kz[None, :]                          # [TQ, D]
+            vbyte = tl.load(arena_ptr + base + off_vc + t[:, None] * (D * bits // 8) + d[None, :] // per,
+                            mask=valid[:, None], other=0).to(tl.int32)
             vcode = (vbyte >> ((d[None, :] % per) * bits)) & levels_mask
-            vs = tl.load(half_ptr + (base + off_vs) // 2 + t[:, None] * (D // GV) + d[None, :] // GV).to(tl.float32)
-            vz = tl.load(half_ptr + (base + off_vz) // 2 + t[:, None] * (D // GV) + d[None, :] // GV).to(tl.float32)
-            v = vcode.to(tl.float32) * vs + vz                                             # [GQ, D]
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                             # [HP, GQ]
+            vs = tl.load(half_ptr + (base + off_vs) // 2 + t[:, None] * (D // gv) + d[None, :] // gv,
+                         mask=valid[:, None], other=0.0).to(tl.float32)
+            vz = tl.load(half_ptr + (base + off_vz) // 2 + t[:, None] * (D // gv) + d[None, :] // gv,
+                         mask=valid[:, None], other=0.0).to(tl.float32)
+            v = vcode.to(tl.float32) * vs + vz                                             # [TQ, D]
+            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                             # [HP, TQ]
+            sc = tl.where(valid[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new[:, None])
@@ -173,7 +193,7 @@ if HAS_TRITON:
         for blk in range(start // R, (end + R - 1) // R):
             page = tl.load(dt_ptr + s * MBD + blk).to(tl.int64)
             rows = blk * R + r
-            valid = rows < end
+            valid = (rows < end) & (rows >= start)
             first = page * PAGE // 2                                                      # in fp16 elements
             k = tl.load(half_ptr + first + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
             v = tl.load(half_ptr + first + (R + r[:, None]) * D + d[None, :], mask=valid[:, None],
@@ -204,9 +224,10 @@ def paged_decode_triton(q, arena, dtable, dstart, dend, qtable, qn, qbits, layou
         return out
     dev = arena.device
     dtable, qtable = dtable.to(dev).contiguous(), qtable.to(dev).contiguous()
+    rows, chans = (torch.tensor(x, dtype=torch.int32, device=dev) for x in widths(layout))
     _paged_decode_kernel[(g,)](
         q, arena, out, dtable, dstart.to(dev).contiguous(), dend.to(dev).contiguous(),
-        qtable, qn.to(dev).contiguous(), qbits.to(dev).contiguous(),
+        qtable, qn.to(dev).contiguous(), qbits.to(dev).contiguous(), rows, chans,
         dtable.shape[1], qtable.shape[1], layout.page_bytes, float(scaling),
-        H=h, HP=pow2_at_least(h), D=d, R=layout.rows, GQ=layout.group, GV=layout.value_group)
+        H=h, HP=pow2_at_least(h), D=d, R=layout.rows, TQ=32)
     return out

@@ -41,7 +41,7 @@ from kvcore import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
-from kvcore.blocks import BLOCK_ROWS, QUANT_BITS, QUANT_GROUP
+from kvcore.blocks import BLOCK_ROWS, QUANT_BITS
 from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, holds, row_cost
 from planner.definition import Definition
 from kvcore.request import InvalidRequest
@@ -127,7 +127,7 @@ class Composed:
         layers are cache layers of their own (`kvcore.blocks.pooled_layers`)."""
         d, shape = self.d, inp.model
         per_head = d.eviction is None or d.eviction.gqa_mode == "mean" or shape.num_query_heads == shape.num_kv_heads
-        quant = d.quant is None or (d.quant.bits in QUANT_BITS and d.quant.group_size == QUANT_GROUP)
+        quant = d.quant is None or d.quant.bits in QUANT_BITS
         return BLOCK_ROWS if per_head and quant and not (d.codebook or d.merge or d.offload) else 0
 
     def added_row_cost(self, inp: PlanInput) -> float:

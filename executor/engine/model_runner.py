@@ -114,6 +114,11 @@ class ModelRunner:
         best = {i: int(logits[at + keep - 1].argmax()) for i in guesses for at, keep in [rows[i]]}
         return [Output(tokens.get(i), best.get(i), lps.get(i)) for i in range(len(segments))]
 
+    def pages_due(self, segments: list[Segment]) -> int:
+        """Pages the step's new rows take in the pool (`BlockTables.pages_due`)."""
+        caches = [seg.seq.cache for seg in segments]
+        return self.tables.pages_due([c.slot for c in caches], [len(seg.ids) for seg in segments])
+
     def plan_step(self, segments: list[Segment]) -> StepPlan:
         spans, at = [], 0
         for seg in segments:

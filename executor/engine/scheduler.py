@@ -72,7 +72,8 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_seqs:
                 seq = self._next(self.fair.pick)
                 if not self.budget.can_reserve(seq.reserved):
-                    self.fair.unpick(self._waiting(seq))         # it goes first once room is made
+                    if not seq.preemptions:
+                        self.fair.unpick(self._waiting(seq))     # it goes first once room is made
                     break
                 self.waiting.remove(seq)
                 self.budget.reserve(seq.seq_id, seq.reserved)
@@ -91,8 +92,8 @@ class Scheduler:
             part = seq.parts[0]
             if prefills and rows + len(part.ids) > self.max_batched_tokens:
                 break
-            last = len(seq.parts) == 1
-            segments.append(Segment(seq, part.ids, part.start, part.phase, 1 if last else 0, last))
+            sample = len(seq.parts) == 1 and not seq.generated      # recomputed: its next token is sampled already
+            segments.append(Segment(seq, part.ids, part.start, part.phase, 1 if sample else 0, sample))
             rows, prefills = rows + len(part.ids), prefills + 1
         return segments
 
@@ -101,7 +102,11 @@ class Scheduler:
         return Waiting(str(seq.seq_id), seq.tenant, seq.prompt.num_tokens + seq.sampling.max_new_tokens)
 
     def _next(self, pick) -> Sequence:
-        """The waiting sequence admission offers next: `pick` (`FairQueue.pick` or `.peek`) over them."""
+        """The waiting sequence admission offers next: a preempted one first (it was running), else
+        `pick` (`FairQueue.pick` or `.peek`) over them."""
+        for s in self.waiting:
+            if s.preemptions:
+                return s
         by_key = {str(s.seq_id): s for s in self.waiting}
         return by_key[pick([self._waiting(s) for s in self.waiting]).key]
 
@@ -135,7 +140,10 @@ class Scheduler:
                 elif seq.parts:
                     continue
                 else:
-                    seq.status, seq.t_prefilled = Status.DECODE, time.perf_counter()
+                    seq.status = Status.DECODE
+                    seq.t_prefilled = seq.t_prefilled or time.perf_counter()
+                    if seq.generated:                  # recomputed after a preemption: it decodes on from here
+                        continue
             else:
                 seq.guess = out.guess
                 if seg.phase == "predecode":
@@ -186,6 +194,22 @@ class Scheduler:
         else:
             log.error("job %s: its compressed cache may grow to %d bytes, past the %d reserved before its prefill "
                       "and more than the budget has free", seq.job_id, need, seq.reserved)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence out of the step loop to recompute it later: its pages and its
+        reservation back, it first in the waiting line (the engine gives it a new cache and parts)."""
+        seq.cache.close()
+        self.budget.release(seq.seq_id)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def newest(self) -> Sequence | None:
+        """The running sequence admitted last that can be recomputed (prefilling or decoding, not
+        waiting for its plan; an offload plan's only when nothing else can)."""
+        movable = [s for s in self.running if s.status in (Status.PREFILL, Status.DECODE)]
+        plain = [s for s in movable if not s.offload] or movable
+        return max(plain, key=lambda s: (s.t_admitted or 0.0, s.seq_id), default=None)
 
     def abort(self, seq: Sequence, reason: str) -> None:
         """End an admitted sequence outside a step's outputs (cancelled, or its step failed);

@@ -24,7 +24,7 @@ class SeqCache:
         """dtype: the model's compute dtype. The slot is taken when the sequence is admitted (`open`)."""
         self.plan, self.tables, self.legacy, self.dtype = plan, tables, legacy, dtype
         self.heads = (num_query_heads, num_kv_heads)
-        self.pooled = pooled_layers(plan, num_query_heads, num_kv_heads, tables.layout.group)
+        self.pooled = pooled_layers(plan, num_query_heads, num_kv_heads)
         self.slot: int | None = None
         self.seed = None                                # a `executor.runner.Prefix` to start from, when admitted
         self.acc: dict[int, torch.Tensor] = {}          # H2O: accumulated attention per pooled layer [H, T]
@@ -86,7 +86,7 @@ class SeqCache:
         `plan`), compressed, then fed the later rows, in layer order (a merged pair's lower first)."""
         c = self.state.context_tokens
         legacy.state.context_tokens = c
-        pooled = pooled_layers(plan, *self.heads, self.tables.layout.group)
+        pooled = pooled_layers(plan, *self.heads)
         own = {}
         for i in range(len(plan.layers)):
             k, v = self.tables.dense(i, self.slot)                                  # [H_kv, T, D] stored dtype
@@ -162,12 +162,12 @@ class SeqCache:
             for h in range(tables.H):
                 start, end = int(tables.dstart[i, s, h]), int(tables.dend[i, s, h])
                 if bits:
-                    u = int(tables.qn[i, s, h]) * lay.group + end - start
+                    u = int(tables.qn[i, s, h]) * lay.group_rows(bits) + end - start
                     worst = lay.quant_stream_held(u, bits, res)
                     if adds:
                         worst = max(worst, lay.quant_stream_bytes(u + steps[:-1], np.asarray(adds), bits, res).max())
                 else:
-                    worst = lay.dense_blocks(start, end + steps[-1]) * lay.dense_bytes
+                    worst = lay.dense_pages(start, end + steps[-1]) * lay.page_bytes
                 total += int(worst)
             out.append(total)
         return out

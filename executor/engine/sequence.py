@@ -63,6 +63,13 @@ def chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:
     return spans
 
 
+def generated_parts(prompt: Prompt, generated: list[int], chunk: int) -> list[Part]:
+    """A preempted sequence's generated tokens but the last (the next one its decode feeds), fed
+    again after its prompt when it is recomputed: `chunk`-token parts over the compressed cache."""
+    fed, n = generated[:-1], prompt.num_tokens
+    return [Part(tuple(fed[a:a + chunk]), n + a, "after") for a in range(0, len(fed), chunk)]
+
+
 def prefill_parts(prompt: Prompt, chunk: int, min_last: int, skip: int = 0, last: str = "compress") -> list[Part]:
     """The prompt's prefill as parts: the context in `chunk`-token spans (the last one holding at
     least `min_last`, under phase `last`), then the question in `chunk`-token spans. Fixed per
@@ -116,6 +123,7 @@ class Sequence:
     queries: list | None = None                        # [m] of [H, W, D]: the context's last queries, kept while
                                                        # its cache is dense (a shrink compresses with them)
     shrinks: list = field(default_factory=list)        # `executor.engine.shrink.Shrink`, each time it was shrunk
+    preemptions: int = 0                               # times the engine gave back its pages to recompute it later
 
     def __post_init__(self):
         self.detok = DecodeStream(skip_special_tokens=True)

