@@ -24,7 +24,8 @@ class KVPool:
     def __init__(self, layout: Layout, budget_bytes: int, device: torch.device | str = "cpu"):
         self.layout = layout
         self.pages = max(int(budget_bytes) // layout.page_bytes, 1)
-        self.arena = torch.empty(self.pages * layout.page_bytes, dtype=torch.uint8, device=device)   # [bytes]
+        self.scratch = self.pages               # one page past the pool: where padding rows of a CUDA graph write
+        self.arena = torch.empty((self.pages + 1) * layout.page_bytes, dtype=torch.uint8, device=device)   # [bytes]
         self._free = np.arange(self.pages - 1, -1, -1, dtype=np.int64)   # a stack: popped from the end, low first
         self._top = self.pages                                            # free pages: _free[:_top]
         self.peak_pages = 0
@@ -87,5 +88,5 @@ class KVPool:
         return self.arena.view(dtype).view(-1, self.layout.head_dim)
 
     def page_view(self) -> torch.Tensor:
-        """The arena as pages: [pages, page bytes] uint8."""
-        return self.arena.view(self.pages, self.layout.page_bytes)
+        """The arena as pages: [pages + 1, page bytes] uint8 (the last the scratch page)."""
+        return self.arena.view(self.pages + 1, self.layout.page_bytes)

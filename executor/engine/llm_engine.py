@@ -22,7 +22,7 @@ from cachestore.handle import LocalHandle
 from executor.engine.kv_budget import KVBudget, Usage
 from executor.engine.model_runner import ModelRunner
 from executor.engine.scheduler import Scheduler, Segment
-from executor.engine.sequence import Sampling, Sequence, Status, generated_parts, prefill_parts
+from executor.engine.sequence import Phase, Sampling, Sequence, Status, generated_parts, prefill_parts
 from executor.engine.shrink import Shrink, dense_plan
 from executor.prompt import Prompt
 from kvcore import offload_budget, plan_cost
@@ -131,13 +131,9 @@ class LLMEngine:
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, prompt, sampling))
         own = store is None and plan.offload.enabled
         store = LocalHandle() if own else store
-        cache = self.runner.new_cache(plan, store)
-        cache.state.context_tokens = len(prompt.context_ids)
-        cache.state.wait_s = self.prefetch_wait_s
-        cache.state.recall = [] if plan.offload.enabled and measure_recall else None
+        cache = self.runner.new_cache(plan)
         if statistics is not None:
-            cache.state.stats, cache.state.queries = statistics, []
-            parts = prefill_parts(prompt, self.chunk, statistics.keep_queries, last="stats")
+            parts = prefill_parts(prompt, self.chunk, statistics.keep_queries, last=Phase.STATS)
         else:
             parts = prefill_parts(prompt, self.chunk, cache.max_window)
         done = 0
@@ -148,7 +144,9 @@ class LLMEngine:
         self.budget.check_fits_at_all(need)
         return Sequence(prompt, plan, sampling, cache, parts, self.lm.tokenizer, emit, cancelled, store, job_id,
                         tenant=tenant, planned_after=statistics is not None, reserved=need, done_tokens=done,
-                        own_store=own)
+                        own_store=own, stats=statistics, queries=[] if statistics is not None else None,
+                        recall=[] if plan.offload.enabled and measure_recall else None,
+                        prefetch_wait_s=self.prefetch_wait_s)
 
     def add(self, seq: Sequence) -> None:
         """Hand a sequence to the engine (any thread); it waits until its reservation fits."""
@@ -167,9 +165,9 @@ class LLMEngine:
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
         if plan.offload.enabled and store is None:
             store, seq.own_store = LocalHandle(), True
-        queries = seq.cache.state.queries
-        self.runner.rebuild(seq.cache, plan, store, queries, self.prefetch_wait_s)   # the context only: nothing to append
+        queries = seq.queries
         seq.plan, seq.store = plan, store
+        self.runner.rebuild(seq, plan, queries)          # the context only: nothing to append
         seq.queries = queries if dense_plan(plan) else None     # a later shrink compresses with them
         self.scheduler.planned(seq)
 
@@ -201,8 +199,8 @@ class LLMEngine:
             return
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
         before, reserved = seq.kv_bytes(), seq.reserved
-        self.runner.rebuild(seq.cache, plan, None, seq.queries, self.prefetch_wait_s)
-        seq.plan, seq.queries = plan, None
+        queries, seq.plan, seq.queries = seq.queries, plan, None
+        self.runner.rebuild(seq, plan, queries)
         self.scheduler.shrunk(seq)
         seq.shrinks.append(Shrink(plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved,
                                   seq.reserved))
@@ -268,19 +266,17 @@ class LLMEngine:
         if seq.own_store:
             seq.store.release()
             seq.store = LocalHandle()
-        cache = self.runner.new_cache(seq.plan, seq.store)
-        cache.state.context_tokens = len(seq.prompt.context_ids)
-        cache.state.wait_s = self.prefetch_wait_s
-        cache.state.recall = seq.cache.state.recall
-        seq.cache, seq.queries, seq.guess = cache, None, None
+        cache = self.runner.new_cache(seq.plan)
+        seq.cache, seq.queries, seq.guess, seq.stats = cache, None, None, None
+        seq.acc, seq.offload_state = {}, {}
         seq.parts = (prefill_parts(seq.prompt, self.chunk, cache.max_window)
                      + generated_parts(seq.prompt, seq.generated, self.chunk))
         seq.done_tokens = 0
         seq.reserved = self.reservation(seq.plan, seq.prompt, seq.sampling)
 
     def measured(self) -> int:
-        """Bytes the running sequences hold: the pool's blocks in use and their cache layers' tensors."""
-        return self.runner.pool.bytes_in_use + sum(seq.cache.own_bytes() for seq in self.scheduler.running)
+        """Bytes the running sequences hold: the pool's pages in use."""
+        return self.runner.pool.bytes_in_use
 
     def run_all(self) -> list[Sequence]:
         """Step until every added sequence ended (benches, tests) -> them, in the order they ended."""

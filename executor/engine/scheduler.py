@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from executor.engine.kv_budget import KVBudget
-from executor.engine.sequence import Sequence, Status
+from executor.engine.sequence import Phase, Sequence, Status
 from executor.fairness import FairQueue, Waiting
 
 log = logging.getLogger("kvplan.executor.engine")
@@ -29,13 +29,13 @@ log = logging.getLogger("kvplan.executor.engine")
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's rows in a step: `ids` fed from position `start` under cache `phase`; the
-    logits of its last `keep` rows come back; `sample`: the step samples its next token;
-    `decode`: decode rows (else a prefill part)."""
+    """One sequence's rows in a step: `ids` fed from position `start` under `phase`; the logits of
+    its last `keep` rows come back; `sample`: the step samples its next token; `decode`: decode
+    rows (else a prefill part)."""
     seq: Sequence
     ids: tuple[int, ...]
     start: int
-    phase: str
+    phase: Phase
     keep: int
     sample: bool
     decode: bool = False
@@ -84,7 +84,7 @@ class Scheduler:
         for seq in self.running:
             if seq.status is Status.DECODE:
                 ids, phase = seq.decode_rows()
-                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase != "predecode", True))
+                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase is not Phase.PREDECODE, True))
                 rows += len(ids)
         for seq in self.running:
             if seq.status is not Status.PREFILL:
@@ -129,11 +129,11 @@ class Scheduler:
                 seq.parts.pop(0)
                 seq.done_tokens += len(seg.ids)
                 seq.emit("progress", (seq.done_tokens, seq.prompt.num_tokens))
-                if seg.phase == "compress":
+                if seg.phase is Phase.COMPRESS:
                     self._tighten(seq)
-                if seg.phase == "stats":              # the plan comes now: it waits for it
+                if seg.phase is Phase.STATS:          # the plan comes now: it waits for it
                     seq.status = Status.PLANNING
-                    seq.emit("context", seq.cache.state.stats.result())
+                    seq.emit("context", seq.stats.result())
                     if seq.parts:
                         continue
                     seq.t_prefilled = time.perf_counter()      # its first token does not wait for the plan
@@ -146,7 +146,7 @@ class Scheduler:
                         continue
             else:
                 seq.guess = out.guess
-                if seg.phase == "predecode":
+                if seg.phase is Phase.PREDECODE:
                     continue
                 seq.steps += 1
             self._take(seq, out.token, out.logprob)
@@ -156,6 +156,9 @@ class Scheduler:
         return done
 
     def _take(self, seq: Sequence, tok: int, logprob: tuple | None = None) -> None:
+        forced = seq.sampling.forced
+        if len(seq.generated) < len(forced):
+            tok = forced[len(seq.generated)]
         if tok in self.stop_ids and not seq.sampling.ignore_eos:
             seq.finish("eos")
             return
