@@ -111,12 +111,13 @@ def test_gathering_on_cuda_reads_nothing_back_until_the_result():
     got = {}
     for dev in ("cpu", "cuda"):
         st = S.LayerStatistics("mean", True, shares=False)
+        on_dev = [[t.to(dev) for t in layer] for layer in layers]          # copied before: a copy from the host waits
         if dev == "cuda":
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
         try:
-            for q, k_rot, k_pre, v in layers:
-                st.add(q.to(dev), k_rot.to(dev), k_pre.to(dev), v.to(dev), 0.125)
+            for q, k_rot, k_pre, v in on_dev:
+                st.add(q, k_rot, k_pre, v, 0.125)
         finally:
             torch.cuda.set_sync_debug_mode(0) if dev == "cuda" else None
         got[dev] = st.result()
