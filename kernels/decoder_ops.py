@@ -31,7 +31,8 @@ def _cpu(x: torch.Tensor) -> bool:
 
 
 def _gpu(*ts: torch.Tensor) -> bool:
-    """Whether these get the Triton kernel: CUDA tensors of a row dtype, unit stride in the last dim."""
+    """Whether these get the Triton kernel: CUDA tensors of a row dtype, unit stride in the last dim
+    (asked after `_cpu`, so the CPU's rows pay nothing for it)."""
     return ENABLED and HAS_TRITON and all(t.is_cuda and t.dtype in gpu.DTYPES and (t.shape[-1] <= 1 or t.stride(-1) == 1)
                                           for t in ts)
 
@@ -44,19 +45,19 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, H], w [H] -> [N, H]."""
-    if _gpu(x, w) and x.dim() == 2:
-        return gpu.rms_norm(x, w, eps)
     if _cpu(x) and x.is_contiguous():
         return cpu_extension.module().rms_norm(x, w.contiguous(), float(eps))
+    if _gpu(x, w) and x.dim() == 2:
+        return gpu.rms_norm(x, w, eps)
     return rms_norm_reference(x, w, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """residual [N, H] += delta [N, H] (in place) -> rms_norm(residual, w) [N, H]."""
-    if _gpu(residual, delta, w) and residual.dim() == 2 and delta.shape == residual.shape:
-        return gpu.add_rms_norm(residual, delta, w, eps)
     if _cpu(residual) and residual.is_contiguous() and delta.is_contiguous():
         return cpu_extension.module().add_rms_norm(residual, delta, w.contiguous(), float(eps))
+    if _gpu(residual, delta, w) and residual.dim() == 2 and delta.shape == residual.shape:
+        return gpu.add_rms_norm(residual, delta, w, eps)
     residual += delta
     return rms_norm_reference(residual, w, eps)
 
@@ -69,19 +70,19 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, D] in place; cos, sin [N, D] -> x."""
-    if _gpu(x, cos, sin) and x.dim() == 3 and x.shape[2] % 2 == 0:
-        return gpu.rope_(x, cos, sin)
     if _cpu(x) and x.stride(2) == 1:
         cpu_extension.module().rope_(x, cos, sin)
         return x
+    if _gpu(x, cos, sin) and x.dim() == 3 and x.shape[2] % 2 == 0:
+        return gpu.rope_(x, cos, sin)
     x.copy_(rope_reference(x, cos, sin))
     return x
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [N, F] -> silu(gate) · up."""
-    if _gpu(gate, up) and gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape:
-        return gpu.silu_mul(gate, up)
     if _cpu(gate) and gate.is_contiguous() and up.is_contiguous():
         return cpu_extension.module().silu_mul(gate, up)
+    if _gpu(gate, up) and gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape:
+        return gpu.silu_mul(gate, up)
     return F.silu(gate) * up

@@ -8,7 +8,9 @@ holds its rows 0, 1, … at pages table[0], table[1], … (row r in page table[r
 
     kernels     Triton on CUDA (`_paged_prefill_kernel`: flash-style, one program per block of a
                 segment's query rows and query head, online softmax over key blocks gathered from
-                the pages, fp32 accumulation; the grid depends on shapes alone) and C++ on the CPU
+                the pages, fp32 accumulation; bf16/fp16 queries multiply the fp16 keys in fp16 on
+                the tensor cores — exact for |q| < 65,504 — fp32 ones in fp32; the grid depends on
+                shapes alone) and C++ on the CPU
                 (`paged_prefill` of the `kernels.cpu_extension` module, where it exports one)
     launcher    `paged_prefill`: checks shapes and dtypes (ValueError naming the argument), picks
                 the kernel for the device
