@@ -168,6 +168,24 @@ def test_launchers_name_bad_arguments():
         dt.silu_mul(torch.randn(8, 4).T, torch.randn(4, 8))
 
 
+# ---- compiled for an H100 (no GPU needed) ----
+
+@pytest.mark.parametrize("row", ["*bf16", "*fp32"])
+def test_kernels_compile_for_hopper(row):
+    from kernels import decoder_ops_triton as dt
+    from tests.kernels.hopper import compile_for_hopper
+    for add in (False, True):
+        compile_for_hopper(dt._rms_norm_kernel, {"x_ptr": row, "d_ptr": row, "w_ptr": row, "out_ptr": row, "H": "i32",
+                                                 "stride_x": "i32", "stride_d": "i32", "eps": "fp32"},
+                           dict(ADD=add, BLOCK=1024), num_warps=4)
+    compile_for_hopper(dt._rope_kernel, {"x_ptr": row, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "HEADS": "i32",
+                                         "HALF": "i32", "stride_xn": "i32", "stride_xh": "i32", "stride_cn": "i32",
+                                         "stride_sn": "i32"}, dict(BLOCK_H=16, BLOCK_D=32), num_warps=2)
+    k = compile_for_hopper(dt._silu_mul_kernel, {"g_ptr": row, "u_ptr": row, "out_ptr": row, "total": "i32"},
+                           dict(BLOCK=1024), num_warps=4)
+    assert k.asm["cubin"]
+
+
 # ---- on CUDA, through the dispatch ----
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA here: the kernels run under the interpreter only")

@@ -173,6 +173,22 @@ def test_triton_launcher_rejects_tiles_tl_dot_cannot_take():
         pp.paged_prefill_triton(*args, block_n=48)
 
 
+# ---- compiled for an H100 (no GPU needed) ----
+
+@pytest.mark.parametrize("q_type, lowp, d, r, bm, bn", [("*bf16", True, 64, 16, 64, 64), ("*fp32", False, 64, 16, 64, 64),
+                                                        ("*fp16", True, 48, 8, 16, 16)])
+def test_kernel_compiles_for_hopper(q_type, lowp, d, r, bm, bn):
+    """The launcher's tiles at SmolLM2's shape and the tests' smallest: tensor-core products where
+    the queries are 16-bit, none where they are fp32 (exact products)."""
+    from tests.kernels.hopper import compile_for_hopper
+    k = compile_for_hopper(pp._paged_prefill_kernel,
+                           {"q_ptr": q_type, "arena_ptr": "*u8", "out_ptr": q_type, "table_ptr": "*i32",
+                            "len_ptr": "*i32", "qs_ptr": "*i32", "S": "i32", "MB": "i32", "qk_scale": "fp32"},
+                           dict(H=9, HKV=3, D=d, DP=64, R=r, SP=32, BLOCK_M=bm, BLOCK_N=bn, LOWP=lowp),
+                           num_warps=4, num_stages=2)
+    assert ("mma" in k.asm["ptx"]) == lowp
+
+
 # ---- on CUDA ----
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA here: the kernel runs under the interpreter only")
