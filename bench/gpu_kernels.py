@@ -117,7 +117,8 @@ def decoder_cases(n: int, dev, dtype, graph_calls: int) -> list[dict]:
         t.copy_(ops.rope_reference(t, cos, sin))
     return [
         dict(op="rms_norm", shape=f"{n}×{HIDDEN}", kernel=lambda: dt.rms_norm(x, w, 1e-5),
-             ref=lambda: ops.rms_norm_reference(x, w, 1e-5), exact=lambda: ops.rms_norm_reference(x.float(), w.float(), 1e-5),
+             ref=lambda: ops.rms_norm_reference(x, w, 1e-5),
+             exact=lambda: ops.rms_norm_reference(x.float(), w.float(), 1e-5),
              bytes=2 * n * HIDDEN * item, graph_calls=calls),
         dict(op="add_rms_norm", shape=f"{n}×{HIDDEN}", kernel=lambda: dt.add_rms_norm(res_k, delta, w, 1e-5),
              ref=lambda: ops.rms_norm_reference(res_r.add_(delta), w, 1e-5),

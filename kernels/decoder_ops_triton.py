@@ -122,7 +122,8 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, e
     _rows("residual", residual)
     _rows("delta", delta)
     if delta.shape != residual.shape or delta.device != residual.device:
-        raise ValueError(f"delta must be {list(residual.shape)} on {residual.device}, got {list(delta.shape)} on {delta.device}")
+        raise ValueError(f"delta must be {list(residual.shape)} on {residual.device}, "
+                         f"got {list(delta.shape)} on {delta.device}")
     _weight(w, residual)
     n, hid = residual.shape
     out = torch.empty(n, hid, dtype=torch.promote_types(residual.dtype, w.dtype), device=residual.device)

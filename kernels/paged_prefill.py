@@ -101,7 +101,8 @@ def paged_prefill(q: torch.Tensor, arena: torch.Tensor, table: torch.Tensor, kv_
         return paged_prefill_triton(q, arena, table, kv_len, q_start, page_rows, scaling)
     ext = cpu_extension.module() if ENABLED and not q.is_cuda else None
     if ext is not None and hasattr(ext, "paged_prefill"):
-        return ext.paged_prefill(q, arena, table, kv_len, q_start, page_rows, float(scaling))
+        return ext.paged_prefill(q, arena, table.contiguous(), kv_len.contiguous(), q_start.contiguous(), page_rows,
+                                 float(scaling))
     return paged_prefill_reference(q, arena, table, kv_len, q_start, page_rows, scaling)
 
 
