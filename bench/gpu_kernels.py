@@ -7,6 +7,7 @@
 - varlen paged prefill (`kernels.paged_prefill`): the sequences' whole prompts in one call, and a
   chunk of each continuing its stored context; beside the reference, SDPA (flash) over the same
   rows already gathered contiguous (the yardstick a paged kernel cannot beat, gather not counted);
+  the whole prompts again at other tilings (`--tiles`), so one run on a lent GPU also tunes it;
 - `kvcore.statistics.LayerStatistics.add` (what `auto` plans from) for one layer of one prompt on
   CUDA against the same on the CPU.
 
@@ -14,7 +15,7 @@ Per row: the max relative error against the reference (max |out - ref| / max |re
 in fp32), the eager time of each, the time replayed from a CUDA graph (what a captured step pays:
 no launch overhead), and the kernel's achieved GB/s or TFLOP/s.
 
-    python -m bench.gpu_kernels [--seqs 16] [--tokens 3500] [--limit-s 55]
+    python -m bench.gpu_kernels [--seqs 16] [--tokens 3500] [--limit-s 55] [--tiles BM BN WARPS STAGES ...]
     python -m bench.gpu_kernels --interpret      # the CPU check: tiny shapes under TRITON_INTERPRET=1
 
 A watchdog ends the process after --limit-s seconds whatever it is doing (traceback on stderr);
@@ -37,6 +38,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, PAGE_ROWS = 576, 1536, 9, 3, 64, 16
+TILES = [(128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3)]     # prefill tilings timed beside the launcher's (64, 64, 4, 2)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -138,8 +140,9 @@ def decoder_cases(n: int, dev, dtype, graph_calls: int) -> list[dict]:
     ]
 
 
-def prefill_cases(seqs: int, tokens: int, chunk: int, dev, dtype) -> list[dict]:
-    """Whole prompts (seqs × tokens new rows) and one chunk each over a stored context, bf16 queries."""
+def prefill_cases(seqs: int, tokens: int, chunk: int, dev, dtype, tiles: list[tuple]) -> list[dict]:
+    """Whole prompts (seqs × tokens new rows) and one chunk each over a stored context, bf16 queries;
+    the whole prompts again at each of `tiles` (block_m, block_n, warps, stages) beside the launcher's."""
     from kernels import paged_prefill as pp
     g = torch.Generator(device=dev).manual_seed(1)
     mb = -(-tokens // PAGE_ROWS)
@@ -163,10 +166,14 @@ def prefill_cases(seqs: int, tokens: int, chunk: int, dev, dtype) -> list[dict]:
             return torch.nn.functional.scaled_dot_product_attention(qs, k_flat, v_flat, attn_mask=mask,
                                                                     is_causal=mask is None, enable_gqa=True)
         pairs = seqs * (n * (tokens - n) + n * (n + 1) // 2)                               # causal (query, key) pairs
+        exact = lambda args=args: pp.paged_prefill_reference(args[0].float(), *args[1:])     # noqa: E731
         out.append(dict(op=name, shape=f"{seqs}×{n} over {tokens}", kernel=lambda args=args: pp.paged_prefill_triton(*args),
-                        ref=lambda args=args: pp.paged_prefill_reference(*args),
-                        exact=lambda args=args: pp.paged_prefill_reference(args[0].float(), *args[1:]),
+                        ref=lambda args=args: pp.paged_prefill_reference(*args), exact=exact,
                         peer=sdpa, flops=4 * pairs * HEADS * HEAD_DIM))
+        for bm, bn, warps, stages in tiles if n == tokens else ():
+            out.append(dict(op=f"paged_prefill {bm}×{bn} w{warps} s{stages}", shape=f"{seqs}×{n} over {tokens}",
+                            kernel=lambda args=args, t=(bm, bn, warps, stages): pp.paged_prefill_triton(*args, *t),
+                            exact=exact, flops=4 * pairs * HEADS * HEAD_DIM))
     return out
 
 
@@ -194,7 +201,9 @@ def measure(case: dict, budget_s: float) -> dict:
         got, want = case["kernel"](), case["exact"]()
     row = dict(op=case["op"], shape=case["shape"], max_rel_err=rel_err(got, want))
     row["kernel_s"] = eager_s(case["kernel"], budget_s)
-    row["ref_s"] = eager_s(case["ref"], budget_s)
+    if case.get("ref"):                                            # (a tile sweep's rows: the kernel alone)
+        row["ref_s"] = eager_s(case["ref"], budget_s)
+        row["ref_over_kernel"] = row["ref_s"] / row["kernel_s"]
     if "peer" in case:
         row["sdpa_s"] = eager_s(case["peer"], budget_s)
     if case.get("graph_calls"):                                    # the decoder ops: what a captured step pays
@@ -205,7 +214,6 @@ def measure(case: dict, budget_s: float) -> dict:
         row["kernel_GBps"] = case["bytes"] / t / 1e9
     if "flops" in case:
         row["kernel_TFLOPs"] = case["flops"] / row["kernel_s"] / 1e12
-    row["ref_over_kernel"] = row["ref_s"] / row["kernel_s"]
     if row.get("ref_graph_s") and row.get("kernel_graph_s"):
         row["ref_over_kernel_graph"] = row["ref_graph_s"] / row["kernel_graph_s"]
     return row
@@ -214,19 +222,18 @@ def measure(case: dict, budget_s: float) -> dict:
 def table(rows: list[dict]) -> str:
     def us(x):
         return "—" if x is None else f"{x * 1e6:,.1f}"
+
+    def times(x):
+        return "—" if x is None else f"{x:.1f}×"
     lines = ["| op | shape | max rel err | kernel µs | ref µs | ref / kernel | graph: kernel µs | graph: ref µs "
              "| graph: ref / kernel | kernel GB/s or TFLOP/s | SDPA µs |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         rate = f"{r['kernel_GBps']:,.0f} GB/s" if "kernel_GBps" in r else \
             f"{r['kernel_TFLOPs']:,.1f} TFLOP/s" if "kernel_TFLOPs" in r else "—"
-        lines.append(f"| {r['op']} | {r['shape']} | {r['max_rel_err']:.1e} | {us(r['kernel_s'])} | {us(r['ref_s'])} "
-                     f"| {r['ref_over_kernel']:.1f}× | {us(r.get('kernel_graph_s'))} | {us(r.get('ref_graph_s'))} "
-                     f"| {r['ref_over_kernel_graph']:.1f}× | {rate} | {us(r.get('sdpa_s'))} |"
-                     if "ref_over_kernel_graph" in r else
-                     f"| {r['op']} | {r['shape']} | {r['max_rel_err']:.1e} | {us(r['kernel_s'])} | {us(r['ref_s'])} "
-                     f"| {r['ref_over_kernel']:.1f}× | {us(r.get('kernel_graph_s'))} | {us(r.get('ref_graph_s'))} | — "
-                     f"| {rate} | {us(r.get('sdpa_s'))} |")
+        lines.append(f"| {r['op']} | {r['shape']} | {r['max_rel_err']:.1e} | {us(r['kernel_s'])} | {us(r.get('ref_s'))} "
+                     f"| {times(r.get('ref_over_kernel'))} | {us(r.get('kernel_graph_s'))} | {us(r.get('ref_graph_s'))} "
+                     f"| {times(r.get('ref_over_kernel_graph'))} | {rate} | {us(r.get('sdpa_s'))} |")
     return "\n".join(lines)
 
 
@@ -238,12 +245,15 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-s", type=float, default=55.0, help="the watchdog: the process ends after this")
     ap.add_argument("--budget-s", type=float, default=0.25, help="seconds of eager repeats per measurement")
     ap.add_argument("--graph-calls", type=int, default=20, help="calls one CUDA graph holds")
+    ap.add_argument("--tiles", type=int, nargs=4, action="append", metavar=("BM", "BN", "WARPS", "STAGES"),
+                    help="a paged prefill tiling to time beside the launcher's (repeatable; default: three)")
     ap.add_argument("--interpret", action="store_true", help="CPU check: TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"                           # before any kernels import
         args.seqs, args.tokens, args.chunk, args.budget_s = 2, 40, 16, 0.0
+        args.tiles = args.tiles or [(16, 16, 1, 1)]
         dev = torch.device("cpu")
     elif not torch.cuda.is_available():
         print("bench.gpu_kernels: no CUDA device here (--interpret checks the bench on the CPU)", file=sys.stderr)
@@ -267,7 +277,8 @@ def run(args, dev: torch.device) -> int:
     t0 = time.perf_counter()
     cases = decoder_cases(args.seqs, dev, torch.bfloat16, args.graph_calls) \
         + decoder_cases(args.seqs * args.tokens, dev, torch.bfloat16, args.graph_calls) \
-        + prefill_cases(args.seqs, args.tokens, args.chunk, dev, torch.bfloat16) + [statistics_case(args.tokens, dev)]
+        + prefill_cases(args.seqs, args.tokens, args.chunk, dev, torch.bfloat16, args.tiles or TILES) \
+        + [statistics_case(args.tokens, dev)]
     rows = []
     for case in cases:
         rows.append(measure(case, args.budget_s))
