@@ -107,13 +107,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, H], w [H] -> [N, H] in the dtype x·w promotes to."""
     require_triton()
     _rows("x", x)
-    _weight(w, x)
-    n, hid = x.shape
-    out = torch.empty(n, hid, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
-    if n:
-        _rms_norm_kernel[(n,)](x, x, w, out, hid, x.stride(0), x.stride(0), float(eps),
-                               ADD=False, BLOCK=pow2_at_least(hid, 16), num_warps=_warps(hid))
-    return out
+    return _norm(x, None, w, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,12 +118,18 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, e
     if delta.shape != residual.shape or delta.device != residual.device:
         raise ValueError(f"delta must be {list(residual.shape)} on {residual.device}, "
                          f"got {list(delta.shape)} on {delta.device}")
-    _weight(w, residual)
-    n, hid = residual.shape
-    out = torch.empty(n, hid, dtype=torch.promote_types(residual.dtype, w.dtype), device=residual.device)
+    return _norm(residual, delta, w, eps)
+
+
+def _norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The launch both share: x [N, H] (+= delta [N, H] first where given) -> [N, H]."""
+    _weight(w, x)
+    n, hid = x.shape
+    out = torch.empty(n, hid, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    d = x if delta is None else delta
     if n:
-        _rms_norm_kernel[(n,)](residual, delta, w, out, hid, residual.stride(0), delta.stride(0), float(eps),
-                               ADD=True, BLOCK=pow2_at_least(hid, 16), num_warps=_warps(hid))
+        _rms_norm_kernel[(n,)](x, d, w, out, hid, x.stride(0), d.stride(0), float(eps),
+                               ADD=delta is not None, BLOCK=pow2_at_least(hid, 16), num_warps=_warps(hid))
     return out
 
 
