@@ -92,6 +92,14 @@ def _check(q, arena, table, kv_len, q_start, page_rows) -> None:
                 raise ValueError(f"{name} is on {t.device}, q on {q.device}: a CUDA step keeps them on one device")
 
 
+def fast(device: torch.device) -> bool:
+    """Whether a kernel (not the reference) serves this device: Triton on CUDA, the C++ one on the CPU."""
+    if device.type == "cuda":
+        return ENABLED and HAS_TRITON
+    ext = cpu_extension.module() if ENABLED else None
+    return ext is not None and hasattr(ext, "paged_prefill")
+
+
 def paged_prefill(q: torch.Tensor, arena: torch.Tensor, table: torch.Tensor, kv_len: torch.Tensor,
                   q_start: torch.Tensor, page_rows: int, scaling: float) -> torch.Tensor:
     """q [N, H, D] contiguous; arena [bytes] u8; table [S, H_kv, MB], kv_len [S], q_start [S + 1] (int32)

@@ -86,6 +86,8 @@ class ModelConfig:
     packed_linear: bool = _env("KVPLAN_PACKED_LINEAR", True,
                                "CPU fp32: the model's linears through oneDNN with weights packed once "
                                "(kvplan.packed_linear): faster weight reads at decode (docs/benchmarks.md)")
+    cuda_graphs: bool = _env("KVPLAN_CUDA_GRAPHS", True,
+                             "CUDA: decode steps replay captured graphs (executor.engine.cuda_graph); false: eager")
     hold_freed_memory: bool = _env("KVPLAN_HOLD_FREED_MEMORY", True,
                                    "keep freed C-heap memory for reuse (kvplan.allocator): faster decode "
                                    "attention over fp16 caches on CPU")

@@ -43,7 +43,7 @@ class DecodeGraphs:
         self.max_batch = min(max_batch, BUCKETS[-1])
         self.graphs: dict[int, Graph] = {}
         self.pool = None                                   # the graphs' shared memory pool
-        self.enabled = runner.lm.device.type == "cuda"
+        self.enabled = runner.lm.device.type == "cuda" and getattr(runner.lm, "cuda_graphs", True)
 
     def usable(self, segments) -> bool:
         """Whether a step runs as a graph: CUDA, every segment one decode row over the compressed

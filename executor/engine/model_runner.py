@@ -14,6 +14,7 @@ stored, its own rows causal.
 Shapes: N packed rows; H query heads, H_kv KV heads, h_n = H / H_kv, D head dim; V vocabulary."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import psutil
@@ -32,6 +33,7 @@ from executor.presses.context import PressContext
 from executor.presses.registry import PRESSES, check, kind
 from kernels import cpu_extension
 from kernels import decoder_ops as ops
+from kernels import paged_prefill as prefill_kernel
 from kernels.paged_decode import paged_decode
 from kvcore import scoring
 from kvcore.attention import causal_attention
@@ -51,6 +53,17 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedPrefill:
+    """Context chunks that attend in one paged prefill call per layer (`kernels.paged_prefill`)."""
+    index: list[int]                      # their segments
+    rows: torch.Tensor                    # [N'] their rows in the step
+    slots: torch.Tensor                   # [S'] their sequences' slots
+    kv_len: torch.Tensor                  # [S'] int32 rows each stream holds (its new rows the last)
+    q_start: torch.Tensor                 # [S' + 1] int32
+    width: int                            # pages of the longest
+
+
+@dataclass
 class StepPlan:
     """What one forward needs to know, built once: rows, writes and decode tables."""
     segments: list[Segment]
@@ -58,6 +71,7 @@ class StepPlan:
     writes: Writes
     groups: list[DecodeGroup]
     prefills: list[int]                   # segments that attend per segment
+    paged: PagedPrefill | None = None     # context chunks that attend together
 
 
 class ModelRunner:
@@ -169,7 +183,23 @@ class ModelRunner:
         for r, index in sorted(by_rows.items()):
             rows = torch.tensor([[spans[i][0] + j for j in range(r)] for i in index], device=dev)
             groups.append(DecodeGroup(index, rows, self.tables.decode_view([slots[i] for i in index], dev)))
-        return StepPlan(segments, spans, writes, groups, prefills)
+        paged = None
+        if prefill_kernel.fast(dev):            # plain context chunks (no H2O, not the last): one call a layer
+            index = [i for i in prefills if segments[i].phase is Phase.CONTEXT and not self._h2o(segments[i].seq)]
+            prefills = [i for i in prefills if i not in index]
+            if index:
+                lens = [int(self.tables.dend[0, slots[i], 0]) for i in index]
+                counts = [len(segments[i].ids) for i in index]
+                rows = torch.cat([torch.arange(*spans[i]) for i in index]).to(dev)
+                paged = PagedPrefill(index, rows, torch.tensor([slots[i] for i in index]),
+                                     torch.tensor(lens, dtype=torch.int32, device=dev),
+                                     torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=dev),
+                                     max(-(-max(lens) // self.layout.rows), 1))
+        return StepPlan(segments, spans, writes, groups, prefills, paged)
+
+    @staticmethod
+    def _h2o(seq) -> bool:
+        return any(lp.eviction is not None and lp.eviction.scorer == "h2o" for lp in seq.cache.plan.layers)
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """-> the logits of every segment's last `keep` rows, in segment order: [K, V]. A decode
@@ -227,6 +257,12 @@ class ModelRunner:
         out = torch.empty_like(q)
         for grp in step.groups:
             self._decode(step, grp, layer, q, k, v, out)
+        if step.paged is not None:
+            pp = step.paged
+            table = self.tables.dtable[layer].index_select(0, pp.slots)[..., :pp.width].to(q.device)   # [S', H_kv, MB]
+            res = prefill_kernel.paged_prefill(q.index_select(0, pp.rows).contiguous(), self.pool.arena, table,
+                                               pp.kv_len, pp.q_start, self.layout.rows, self.scaling)
+            out.index_copy_(0, pp.rows, res.to(q.dtype))
         for i in step.prefills:
             a, b = step.spans[i]
             out[a:b] = self._prefill(step.segments[i], layer, q[a:b], k[a:b], v[a:b])

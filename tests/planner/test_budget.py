@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from executor.layers.groups import ROW_CHUNK, held_after
+from kvcore.cost import ROW_CHUNK, held_after
 from planner.budget import added_steps, context_tokens, row_cost
 from planner.request import ModelShape, PlanInput
 

@@ -247,3 +247,19 @@ def test_a_pool_smaller_than_the_reservations_preempts_the_newest_and_nobody_fai
     assert {s.seq_id for s in done} == {s.seq_id for s in seqs}
     pool.release(stolen)
     assert pool.used_pages == 0
+
+
+def test_every_byte_a_job_holds_is_a_page_of_the_pool_on_the_models_device(tiny_model):
+    """A job of each plan kind, alone, mid-decode: the bytes it reports are the pool's pages in use
+    (nothing held outside the arena), and the arena is on the model's device."""
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 30), prefill_chunk=32)
+    assert engine.runner.pool.arena.device == tiny_model.device
+    for name, plan, prompt in _jobs(tiny_model.num_layers):
+        seq = engine.sequence(prompt, plan, Sampling(6, ignore_eos=True))
+        engine.add(seq)
+        while len(seq.generated) < 3:
+            engine.step()
+        assert seq.kv_bytes() == engine.runner.pool.bytes_in_use > 0, name
+        assert engine.measured() == engine.runner.pool.bytes_in_use
+        engine.run_all()
+        assert engine.runner.pool.used_pages == 0, name
