@@ -1,20 +1,18 @@
-// Decode attention on the CPU: one query row per head over a KV group's stored rows, read in
-// place — dense fp16 rows (`dense_decode`) or KIVI-quantized codes with a dense fp16 tail
-// (`quant_decode`) — never a float copy of the cache. Both take a *list* of groups (the KV heads
-// of one layer of one or many sequences, each with its own row count), so one call serves a
-// layer of every sequence in a step. `paged_decode_mixed` reads the engine's paged pool instead:
-// every stream of a layer, whatever its storage forms (quant pages, coded rows, dense pages).
+// Decode attention on the CPU over the engine's paged pool (`paged_decode_mixed`, launcher and torch
+// reference in kernels/paged_decode.py): a few query rows per stream, every stream of a layer (KV
+// head x sequence) in one call, each stream's rows read in place from its pages — quant pages of
+// any form, coded rows (entries x magnitudes), dense fp16 rows — never a float copy of the cache.
+// Also the pool's quantizers (`quantize_pack`, `dequantized_forms`: kernels/quant.py).
 //
-// Split-K (flash-decoding): each group's rows are cut into blocks of a fixed size, each
-// (group, block) task keeps its running max, sum and h accumulators, and the blocks combine in
-// a fixed order — the same result whatever the thread count or the other groups of the call.
-// torch's own thread pool (at::parallel_for), so no second thread team competes with it.
-// AVX2 + F16C + FMA fast paths (8 floats a register) for the shapes kvplan runs; any other
-// shape runs a scalar loop of the same math. Launchers and torch references:
-// kernels/dense_decode.py, kernels/quant_decode.py and kernels/paged_decode.py.
+// Split-K (flash-decoding): each stream's pages are cut into runs of a fixed size, each (stream,
+// run) task keeps its running max, sum and h accumulators, and the runs combine in a fixed order —
+// the same result whatever the thread count or the other streams of the call. torch's own thread
+// pool (at::parallel_for), so no second thread team competes with it. AVX2 + F16C + FMA fast paths
+// (8 floats a register) for the shapes kvplan runs; any other shape runs a scalar loop of the same
+// math.
 //
-// Shapes: G groups; h query heads per group; T_i rows of group i; D head dim; for quantized
-// groups n_i key groups of g tokens, Q_i = n_i * g quantized rows, R_i tail rows, U_i = Q_i + R_i.
+// Shapes: G streams; h query rows per stream; D head dim; g rows a quant page, g_k a key group's
+// rows, g_v a value group's channels; R dense rows a page.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -100,15 +98,6 @@ void softmax_rows(float* s, int64_t h, int64_t n, int64_t stride, float* m, floa
   }
 }
 
-// masked columns of a block's scores -> -inf; mask [h, *] bool rows `mstride` apart, already at
-// the block's first column
-void apply_mask(float* s, int64_t h, int64_t n, int64_t stride, const bool* mask, int64_t mstride) {
-  if (!mask) return;
-  for (int64_t j = 0; j < h; ++j)
-    for (int64_t t = 0; t < n; ++t)
-      if (!mask[j * mstride + t]) s[j * stride + t] = -INFINITY;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Dense fp16 rows: one (group, block) of n rows. q [h, D] pre-scaled; k, v rows kst / vst apart.
 void dense_scores_any(const float* q, const uint16_t* k, int64_t kst, int64_t n, int64_t h, int64_t D, float* s,
@@ -180,85 +169,13 @@ DenseFns pick_dense(int64_t H, int64_t D) {
   return f;
 }
 
-// A dense block: rows [0, n) of k / v; mask at the block's first column or null.
-void dense_block(const DenseFns& f, const float* q, const uint16_t* k, int64_t kst, const uint16_t* v, int64_t vst,
-                 int64_t n, int64_t h, int64_t D, const bool* mask, int64_t mstride, float* s, int64_t stride,
-                 Partial out) {
-  if (f.scores) f.scores(q, k, kst, n, s, stride);
-  else dense_scores_any(q, k, kst, n, h, D, s, stride);
-  apply_mask(s, h, n, stride, mask, mstride);
-  softmax_rows(s, h, n, stride, out.m, out.z);
-  if (f.values) f.values(s, v, vst, n, out.a, stride);
-  else dense_values_any(s, v, vst, n, h, D, out.a, stride);
-}
-
-// Combine each group's blocks (in block order) into out [G, h, D].
-void combine(const std::vector<int64_t>& first, int64_t h, int64_t D, const std::vector<float>& mx,
-             const std::vector<float>& sm, const std::vector<float>& acc, float* op) {
-  const int64_t G = (int64_t)first.size() - 1;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < h; ++j) {
-      float M = -INFINITY;
-      for (int64_t task = first[g]; task < first[g + 1]; ++task) M = std::max(M, mx[task * h + j]);
-      float Z = 0.f;
-      float* o = op + (g * h + j) * D;
-      std::fill(o, o + D, 0.f);
-      if (M == -INFINITY) continue;                   // no row seen: zeros (callers never ask this)
-      for (int64_t task = first[g]; task < first[g + 1]; ++task) {
-        if (mx[task * h + j] == -INFINITY) continue;
-        const float w = std::exp(mx[task * h + j] - M);
-        Z += w * sm[task * h + j];
-        const float* a = acc.data() + (task * h + j) * D;
-        for (int64_t e = 0; e < D; ++e) o[e] += w * a[e];
-      }
-      for (int64_t e = 0; e < D; ++e) o[e] /= Z;
-    }
-}
-
-const bool* mask_ptr(const std::vector<torch::Tensor>& masks, int64_t g) {
-  if (masks.empty() || masks[g].numel() == 0) return nullptr;
-  return masks[g].data_ptr<bool>();
-}
-
 }  // namespace
 
-// q [G, h, D] fp32; ks[i], vs[i] [T_i, D] fp16 (rows contiguous, any row stride); masks: empty, or
-// one [h, T_i] bool per group (an empty tensor: every row seen) -> [G, h, D] fp32
-torch::Tensor dense_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
-                           std::vector<torch::Tensor> masks, double scaling, int64_t block) {
-  const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
-  std::vector<int64_t> first(G + 1, 0);
-  for (int64_t g = 0; g < G; ++g) first[g + 1] = first[g] + (ks[g].size(0) + block - 1) / block;
-  const int64_t tasks = first[G];
-  auto qs = (q * scaling).contiguous();
-  auto out = torch::empty({G, h, D}, q.options());
-  std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
-  const float* qp = qs.data_ptr<float>();
-  const DenseFns fns = pick_dense(h, D);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(h * block);
-    int64_t g = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[g + 1]) ++g;
-      const int64_t t0 = (task - first[g]) * block, n = std::min(ks[g].size(0), t0 + block) - t0;
-      const uint16_t* kp = reinterpret_cast<const uint16_t*>(ks[g].data_ptr<at::Half>());
-      const uint16_t* vp = reinterpret_cast<const uint16_t*>(vs[g].data_ptr<at::Half>());
-      const int64_t kst = ks[g].stride(0), vst = vs[g].stride(0);
-      const bool* mk = mask_ptr(masks, g);
-      const int64_t mst = mk ? masks[g].stride(0) : 0;
-      dense_block(fns, qp + g * h * D, kp + t0 * kst, kst, vp + t0 * vst, vst, n, h, D, mk ? mk + t0 : nullptr, mst,
-                  s.data(), block, Partial{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D});
-    }
-  });
-  combine(first, h, D, mx, sm, acc, out.data_ptr<float>());
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
-// Quantized rows (KIVI, `executor.layers.quant.QuantGroup`): keys per channel in key groups of g
-// tokens (kc [n, D, g*b/8], one fp16 scale and zero per key group and channel), values per token
-// (vc [Q, D*b/8], one fp16 scale and zero per run of gv channels), codes packed low bits first:
-// byte k of a row holds elements k*P .. k*P + P - 1 (P = 8 / b codes a byte).
+// Quantized rows (KIVI, a quant page of `kvcore.blocks`): keys per channel (a channel's codes for
+// the page's g rows, kc [D, g*b/8], one fp16 scale and zero per key group of g_k rows and channel),
+// values per row (vc [g, D*b/8], one fp16 scale and zero per run of g_v channels), codes packed low
+// bits first: byte k of a row holds elements k*P .. k*P + P - 1 (P = 8 / b codes a byte).
 namespace {
 
 inline int code_at(const uint8_t* row, int64_t i, int bits) {
@@ -468,7 +385,7 @@ QuantFns pick_quant(int64_t H, int64_t D, int64_t kg, int64_t gv, int bits) {
   QuantFns f;
 #ifdef KVPLAN_AVX2
   const int P = 8 / bits;
-  if (kg == 32 && bits >= 2) {                           // key groups of 32 rows (`executor.layers.quant`, SpeCache)
+  if (kg == 32 && bits >= 2) {                           // key groups of 32 rows (SpeCache's forms)
 #define KVPLAN_QS(h, b) if (H == h && bits == b) f.scores = quant_scores_g<h, b, 4 * b>;
     KVPLAN_QS(1, 2) KVPLAN_QS(1, 4) KVPLAN_QS(1, 8) KVPLAN_QS(2, 2) KVPLAN_QS(2, 4) KVPLAN_QS(2, 8)
     KVPLAN_QS(3, 2) KVPLAN_QS(3, 4) KVPLAN_QS(3, 8) KVPLAN_QS(4, 2) KVPLAN_QS(4, 4) KVPLAN_QS(4, 8)
@@ -504,72 +421,6 @@ QuantFns pick_quant(int64_t H, int64_t D, int64_t kg, int64_t gv, int bits) {
 }
 
 }  // namespace
-
-// q [G, h, D] fp32; per group: kc [n, D, g*b/8] u8, ks, kz [n, D] fp16, vc [Q, D*b/8] u8, vs, vz [Q, D/gv]
-// fp16, kt, vt [R, D] fp16 (rows contiguous, any row stride); masks: empty, or one [h, Q + R] bool
-// per group (empty: every row seen). bits, g, gv, D alike over the groups. -> [G, h, D] fp32
-torch::Tensor quant_decode(torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> ks,
-                           std::vector<torch::Tensor> kz, std::vector<torch::Tensor> vc, std::vector<torch::Tensor> vs,
-                           std::vector<torch::Tensor> vz, std::vector<torch::Tensor> kt, std::vector<torch::Tensor> vt,
-                           std::vector<torch::Tensor> masks, int64_t bits, int64_t g, int64_t gv, double scaling,
-                           int64_t block) {
-  const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
-  const int64_t kb = std::max<int64_t>(1, block / g);          // key groups a block
-  std::vector<int64_t> first(G + 1, 0), quant_blocks(G);
-  for (int64_t i = 0; i < G; ++i) {
-    quant_blocks[i] = (kc[i].size(0) + kb - 1) / kb;
-    first[i + 1] = first[i] + quant_blocks[i] + (kt[i].size(0) > 0 ? 1 : 0);
-  }
-  const int64_t tasks = first[G];
-  const int64_t width = std::max<int64_t>(kb * g, 1);
-  int64_t longest_tail = 0;
-  for (int64_t i = 0; i < G; ++i) longest_tail = std::max(longest_tail, kt[i].size(0));
-  const int64_t stride = std::max(width, longest_tail);
-  auto qs = (q * scaling).contiguous();
-  auto out = torch::empty({G, h, D}, q.options());
-  std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
-  const float* qp = qs.data_ptr<float>();
-  const QuantFns qf = pick_quant(h, D, g, gv, (int)bits);
-  const DenseFns df = pick_dense(h, D);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(h * stride);
-    int64_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[i + 1]) ++i;
-      const int64_t b = task - first[i];
-      const float* qi = qp + i * h * D;
-      const bool* mk = mask_ptr(masks, i);
-      const int64_t mst = mk ? masks[i].stride(0) : 0;
-      Partial part{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D};
-      if (b == quant_blocks[i]) {                            // the dense tail
-        const int64_t rows = vc[i].size(0), n = kt[i].size(0);
-        dense_block(df, qi, reinterpret_cast<const uint16_t*>(kt[i].data_ptr<at::Half>()), kt[i].stride(0),
-                    reinterpret_cast<const uint16_t*>(vt[i].data_ptr<at::Half>()), vt[i].stride(0), n, h, D,
-                    mk ? mk + rows : nullptr, mst, s.data(), stride, part);
-        continue;
-      }
-      const int64_t j0 = b * kb, j1 = std::min(kc[i].size(0), j0 + kb), n = (j1 - j0) * g;
-      const uint8_t* kcp = kc[i].data_ptr<uint8_t>();
-      const uint16_t* ksp = reinterpret_cast<const uint16_t*>(ks[i].data_ptr<at::Half>());
-      const uint16_t* kzp = reinterpret_cast<const uint16_t*>(kz[i].data_ptr<at::Half>());
-      const int64_t bk = g * bits / 8;                    // a group's code bytes a channel
-      for (int64_t j = j0; j < j1; ++j) {
-        float* sj = s.data() + (j - j0) * g;
-        if (qf.scores) qf.scores(qi, kcp + j * D * bk, bk, ksp + j * D, kzp + j * D, D, sj, stride);
-        else quant_scores_any(qi, kcp + j * D * bk, bk, ksp + j * D, kzp + j * D, h, D, g, (int)bits, sj, stride);
-      }
-      apply_mask(s.data(), h, n, stride, mk ? mk + j0 * g : nullptr, mst);
-      softmax_rows(s.data(), h, n, stride, part.m, part.z);
-      const uint8_t* vcp = vc[i].data_ptr<uint8_t>();
-      const uint16_t* vsp = reinterpret_cast<const uint16_t*>(vs[i].data_ptr<at::Half>());
-      const uint16_t* vzp = reinterpret_cast<const uint16_t*>(vz[i].data_ptr<at::Half>());
-      if (qf.values) qf.values(s.data(), vcp, vsp, vzp, j0 * g, n, gv, part.a, stride);
-      else quant_values_any(s.data(), vcp, vsp, vzp, j0 * g, n, h, D, gv, (int)bits, part.a, stride);
-    }
-  });
-  combine(first, h, D, mx, sm, acc, out.data_ptr<float>());
-  return out;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Quantize and pack (min/max levels, no refits): per group of g consecutive elements of a row,
@@ -668,62 +519,6 @@ std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_
     }
   });
   return outs;
-}
-
-// ---------------------------------------------------------------------------------------------
-// New rows into the dense fp16 tails of a layer's KV groups (a decode step's append): k, v
-// [G, T, D] fp32 or fp16 (any strides); per group i, kt[i], vt[i] [cap_i, D] fp16 with contiguous
-// rows, at[i] of them used. Rows at[i] .. at[i] + T of group i := k[i], v[i] rounded to fp16 (to
-// nearest even, as `Tensor.to(torch.float16)`), in place where the tail has room; else into new
-// storage of min(ceil((at[i] + T) / chunk) * chunk, limit) rows holding the tail's at[i] rows
-// first (an error if even that is too small). -> the 2G tails after it: kt'[0..G), vt'[0..G).
-std::vector<torch::Tensor> append_tails(torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kt,
-                                        std::vector<torch::Tensor> vt, std::vector<int64_t> rows_at, int64_t chunk,
-                                        int64_t limit) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [G, T, D]");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-              (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf), "k and v must be fp32 or fp16");
-  TORCH_CHECK(chunk > 0, "chunk must be positive");
-  const int64_t G = k.size(0), T = k.size(1), D = k.size(2);
-  TORCH_CHECK((int64_t)kt.size() == G && (int64_t)vt.size() == G && (int64_t)rows_at.size() == G,
-              "one tail pair and one row count per group");
-  std::vector<int64_t> cap(G);
-  for (int64_t i = 0; i < G; ++i) {
-    TORCH_CHECK(kt[i].size(0) == vt[i].size(0), "group ", i, ": k and v tails of different sizes");
-    for (const auto* t : {&kt[i], &vt[i]})
-      TORCH_CHECK(t->scalar_type() == torch::kHalf && t->dim() == 2 && t->size(1) == D && t->stride(1) == 1,
-                  "tails must be fp16 [cap, D] with contiguous rows");
-    const int64_t need = rows_at[i] + T;
-    TORCH_CHECK(rows_at[i] >= 0 && rows_at[i] <= kt[i].size(0), "group ", i, ": ", rows_at[i], " rows used of ",
-                kt[i].size(0));
-    cap[i] = need <= kt[i].size(0) ? kt[i].size(0) : std::min((need + chunk - 1) / chunk * chunk, limit);
-    TORCH_CHECK(need <= cap[i], "group ", i, ": rows ", rows_at[i], "..", need, " past its tail's limit of ", limit);
-  }
-  std::vector<torch::Tensor> out(2 * G);
-  for (int64_t i = 0; i < G; ++i)
-    for (int w = 0; w < 2; ++w) {
-      torch::Tensor dst = w ? vt[i] : kt[i];
-      if (cap[i] > dst.size(0)) {                          // a larger storage, the used rows first
-        torch::Tensor grown = torch::empty({cap[i], D}, dst.options());
-        for (int64_t j = 0; j < rows_at[i]; ++j)
-          std::copy_n(dst.data_ptr<at::Half>() + j * dst.stride(0), D, grown.data_ptr<at::Half>() + j * D);
-        dst = grown;
-      }
-      const torch::Tensor& src = w ? v : k;
-      const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
-      for (int64_t j = 0; j < T; ++j) {
-        uint16_t* o = reinterpret_cast<uint16_t*>(dst.data_ptr<at::Half>()) + (rows_at[i] + j) * dst.stride(0);
-        if (src.scalar_type() == torch::kHalf) {
-          const uint16_t* x = reinterpret_cast<const uint16_t*>(src.data_ptr<at::Half>()) + i * s0 + j * s1;
-          for (int64_t d = 0; d < D; ++d) o[d] = x[d * s2];
-        } else {
-          const float* x = src.data_ptr<float>() + i * s0 + j * s1;
-          for (int64_t d = 0; d < D; ++d) o[d] = _cvtss_sh(x[d * s2], _MM_FROUND_TO_NEAREST_INT);
-        }
-      }
-      out[w * G + i] = dst;
-    }
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1150,9 +945,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "a step's K/V rows into the pool's fp16 rows");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
-  m.def("dense_decode", &dense_decode, "decode attention over dense fp16 rows of many groups");
-  m.def("quant_decode", &quant_decode, "decode attention over KIVI-quantized rows of many groups");
   m.def("paged_decode_mixed", &paged_decode_mixed,
         "decode attention over every stream of a layer in the paged pool, whatever its storage forms");
-  m.def("append_tails", &append_tails, "new rows into many groups' fp16 tails (grown where full)");
 }
