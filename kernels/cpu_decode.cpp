@@ -1,24 +1,24 @@
-// Decode attention on the CPU: one query row per head over a KV group's stored rows, read in
-// place — dense fp16 rows (`dense_decode`) or KIVI-quantized codes with a dense fp16 tail
-// (`quant_decode`) — never a float copy of the cache. Both take a *list* of groups (the KV heads
-// of one layer of one or many sequences, each with its own row count), so one call serves a
-// layer of every sequence in a step.
+// Decode attention on the CPU over the engine's paged pool (`paged_decode_mixed`, launcher and torch
+// reference in kernels/paged_decode.py): a few query rows per stream, every stream of a layer (KV
+// head x sequence) in one call, each stream's rows read in place from its pages — quant pages of
+// any form, coded rows (entries x magnitudes), dense fp16 rows — never a float copy of the cache.
+// Also the pool's quantizers (`quantize_pack`, `dequantized_forms`: kernels/quant.py).
 //
-// Split-K (flash-decoding): each group's rows are cut into blocks of a fixed size, each
-// (group, block) task keeps its running max, sum and h accumulators, and the blocks combine in
-// a fixed order — the same result whatever the thread count or the other groups of the call.
-// torch's own thread pool (at::parallel_for), so no second thread team competes with it.
-// AVX2 + F16C + FMA fast paths (8 floats a register) for the shapes kvplan runs; any other
-// shape runs a scalar loop of the same math. Launchers and torch references:
-// kernels/dense_decode.py and kernels/quant_decode.py.
+// Split-K (flash-decoding): each stream's pages are cut into runs of a fixed size, each (stream,
+// run) task keeps its running max, sum and h accumulators, and the runs combine in a fixed order —
+// the same result whatever the thread count or the other streams of the call. torch's own thread
+// pool (at::parallel_for), so no second thread team competes with it. AVX2 + F16C + FMA fast paths
+// (8 floats a register) for the shapes kvplan runs; any other shape runs a scalar loop of the same
+// math.
 //
-// Shapes: G groups; h query heads per group; T_i rows of group i; D head dim; for quantized
-// groups n_i key groups of g tokens, Q_i = n_i * g quantized rows, R_i tail rows, U_i = Q_i + R_i.
+// Shapes: G streams; h query rows per stream; D head dim; g rows a quant page, g_k a key group's
+// rows, g_v a value group's channels; R dense rows a page.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -98,15 +98,6 @@ void softmax_rows(float* s, int64_t h, int64_t n, int64_t stride, float* m, floa
   }
 }
 
-// masked columns of a block's scores -> -inf; mask [h, *] bool rows `mstride` apart, already at
-// the block's first column
-void apply_mask(float* s, int64_t h, int64_t n, int64_t stride, const bool* mask, int64_t mstride) {
-  if (!mask) return;
-  for (int64_t j = 0; j < h; ++j)
-    for (int64_t t = 0; t < n; ++t)
-      if (!mask[j * mstride + t]) s[j * stride + t] = -INFINITY;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Dense fp16 rows: one (group, block) of n rows. q [h, D] pre-scaled; k, v rows kst / vst apart.
 void dense_scores_any(const float* q, const uint16_t* k, int64_t kst, int64_t n, int64_t h, int64_t D, float* s,
@@ -170,92 +161,21 @@ DenseFns pick_dense(int64_t H, int64_t D) {
 #define KVPLAN_CASE(h, dv) \
   if (H == h && D == 8 * dv) { f.scores = dense_scores<h, dv>; f.values = dense_values<h, dv>; return f; }
   KVPLAN_CASE(1, 4) KVPLAN_CASE(1, 8) KVPLAN_CASE(1, 16) KVPLAN_CASE(2, 4) KVPLAN_CASE(2, 6) KVPLAN_CASE(2, 8)
-  KVPLAN_CASE(2, 16) KVPLAN_CASE(3, 8) KVPLAN_CASE(3, 16) KVPLAN_CASE(4, 8) KVPLAN_CASE(4, 16) KVPLAN_CASE(5, 8)
-  KVPLAN_CASE(6, 8) KVPLAN_CASE(7, 8) KVPLAN_CASE(8, 8) KVPLAN_CASE(8, 16)
+  KVPLAN_CASE(2, 16) KVPLAN_CASE(3, 4) KVPLAN_CASE(3, 8) KVPLAN_CASE(3, 16) KVPLAN_CASE(4, 4) KVPLAN_CASE(4, 8)
+  KVPLAN_CASE(4, 16) KVPLAN_CASE(5, 8) KVPLAN_CASE(5, 16) KVPLAN_CASE(6, 8) KVPLAN_CASE(6, 16) KVPLAN_CASE(7, 8)
+  KVPLAN_CASE(7, 16) KVPLAN_CASE(8, 8) KVPLAN_CASE(8, 16)
 #undef KVPLAN_CASE
 #endif
   return f;
 }
 
-// A dense block: rows [0, n) of k / v; mask at the block's first column or null.
-void dense_block(const DenseFns& f, const float* q, const uint16_t* k, int64_t kst, const uint16_t* v, int64_t vst,
-                 int64_t n, int64_t h, int64_t D, const bool* mask, int64_t mstride, float* s, int64_t stride,
-                 Partial out) {
-  if (f.scores) f.scores(q, k, kst, n, s, stride);
-  else dense_scores_any(q, k, kst, n, h, D, s, stride);
-  apply_mask(s, h, n, stride, mask, mstride);
-  softmax_rows(s, h, n, stride, out.m, out.z);
-  if (f.values) f.values(s, v, vst, n, out.a, stride);
-  else dense_values_any(s, v, vst, n, h, D, out.a, stride);
-}
-
-// Combine each group's blocks (in block order) into out [G, h, D].
-void combine(const std::vector<int64_t>& first, int64_t h, int64_t D, const std::vector<float>& mx,
-             const std::vector<float>& sm, const std::vector<float>& acc, float* op) {
-  const int64_t G = (int64_t)first.size() - 1;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < h; ++j) {
-      float M = -INFINITY;
-      for (int64_t task = first[g]; task < first[g + 1]; ++task) M = std::max(M, mx[task * h + j]);
-      float Z = 0.f;
-      float* o = op + (g * h + j) * D;
-      std::fill(o, o + D, 0.f);
-      if (M == -INFINITY) continue;                   // no row seen: zeros (callers never ask this)
-      for (int64_t task = first[g]; task < first[g + 1]; ++task) {
-        if (mx[task * h + j] == -INFINITY) continue;
-        const float w = std::exp(mx[task * h + j] - M);
-        Z += w * sm[task * h + j];
-        const float* a = acc.data() + (task * h + j) * D;
-        for (int64_t e = 0; e < D; ++e) o[e] += w * a[e];
-      }
-      for (int64_t e = 0; e < D; ++e) o[e] /= Z;
-    }
-}
-
-const bool* mask_ptr(const std::vector<torch::Tensor>& masks, int64_t g) {
-  if (masks.empty() || masks[g].numel() == 0) return nullptr;
-  return masks[g].data_ptr<bool>();
-}
-
 }  // namespace
 
-// q [G, h, D] fp32; ks[i], vs[i] [T_i, D] fp16 (rows contiguous, any row stride); masks: empty, or
-// one [h, T_i] bool per group (an empty tensor: every row seen) -> [G, h, D] fp32
-torch::Tensor dense_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
-                           std::vector<torch::Tensor> masks, double scaling, int64_t block) {
-  const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
-  std::vector<int64_t> first(G + 1, 0);
-  for (int64_t g = 0; g < G; ++g) first[g + 1] = first[g] + (ks[g].size(0) + block - 1) / block;
-  const int64_t tasks = first[G];
-  auto qs = (q * scaling).contiguous();
-  auto out = torch::empty({G, h, D}, q.options());
-  std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
-  const float* qp = qs.data_ptr<float>();
-  const DenseFns fns = pick_dense(h, D);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(h * block);
-    int64_t g = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[g + 1]) ++g;
-      const int64_t t0 = (task - first[g]) * block, n = std::min(ks[g].size(0), t0 + block) - t0;
-      const uint16_t* kp = reinterpret_cast<const uint16_t*>(ks[g].data_ptr<at::Half>());
-      const uint16_t* vp = reinterpret_cast<const uint16_t*>(vs[g].data_ptr<at::Half>());
-      const int64_t kst = ks[g].stride(0), vst = vs[g].stride(0);
-      const bool* mk = mask_ptr(masks, g);
-      const int64_t mst = mk ? masks[g].stride(0) : 0;
-      dense_block(fns, qp + g * h * D, kp + t0 * kst, kst, vp + t0 * vst, vst, n, h, D, mk ? mk + t0 : nullptr, mst,
-                  s.data(), block, Partial{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D});
-    }
-  });
-  combine(first, h, D, mx, sm, acc, out.data_ptr<float>());
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
-// Quantized rows (KIVI, `executor.layers.quant.QuantGroup`): keys per channel in key groups of g
-// tokens (kc [n, D, g*b/8], one fp16 scale and zero per key group and channel), values per token
-// (vc [Q, D*b/8], one fp16 scale and zero per run of gv channels), codes packed low bits first:
-// byte k of a row holds elements k*P .. k*P + P - 1 (P = 8 / b codes a byte).
+// Quantized rows (KIVI, a quant page of `kvcore.blocks`): keys per channel (a channel's codes for
+// the page's g rows, kc [D, g*b/8], one fp16 scale and zero per key group of g_k rows and channel),
+// values per row (vc [g, D*b/8], one fp16 scale and zero per run of g_v channels), codes packed low
+// bits first: byte k of a row holds elements k*P .. k*P + P - 1 (P = 8 / b codes a byte).
 namespace {
 
 inline int code_at(const uint8_t* row, int64_t i, int bits) {
@@ -263,20 +183,19 @@ inline int code_at(const uint8_t* row, int64_t i, int bits) {
   return (row[i / per] >> ((i % per) * bits)) & ((1 << bits) - 1);
 }
 
-// scores of key groups [j0, j1): s[j, (j - j0) * g + i]; q [h, D] pre-scaled
-void quant_scores_any(const float* q, const uint8_t* kc, const uint16_t* ks, const uint16_t* kz, int64_t j0,
-                      int64_t j1, int64_t h, int64_t D, int64_t g, int bits, float* s, int64_t stride) {
-  const int64_t bk = g * bits / 8;
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t i = 0; i < g; ++i)
-      for (int64_t hh = 0; hh < h; ++hh) {
-        float d = 0.f;
-        for (int64_t e = 0; e < D; ++e) {
-          const float x = code_at(kc + (j * D + e) * bk, i, bits) * half1(ks[j * D + e]) + half1(kz[j * D + e]);
-          d += q[hh * D + e] * x;
-        }
-        s[hh * stride + (j - j0) * g + i] = d;
+// scores of one key group of kg rows: s[hh, i] for i < kg; channel e's codes at kc + e * cst, its
+// scale and zero ks[e], kz[e]; q [h, D] pre-scaled
+void quant_scores_any(const float* q, const uint8_t* kc, int64_t cst, const uint16_t* ks, const uint16_t* kz,
+                      int64_t h, int64_t D, int64_t kg, int bits, float* s, int64_t stride) {
+  for (int64_t i = 0; i < kg; ++i)
+    for (int64_t hh = 0; hh < h; ++hh) {
+      float d = 0.f;
+      for (int64_t e = 0; e < D; ++e) {
+        const float x = code_at(kc + e * cst, i, bits) * half1(ks[e]) + half1(kz[e]);
+        d += q[hh * D + e] * x;
       }
+      s[hh * stride + i] = d;
+    }
 }
 
 // a [h, D] = p [h, rows t0..t0+n) . values of those rows
@@ -303,53 +222,86 @@ inline __m256 codes8(__m256i bytes, int p) {
 
 inline __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 
-// Keys of key groups [j0, j1) of g = 8 * BK / BITS rows: per channel, the g codes of a key group
-// (BK bytes, C = BK / 8 chunks of 8 bytes) scaled into the query, accumulated in the order the
-// bytes hold them (vector p * C + c holds code p of bytes c*8 .. c*8+7), then written in token order.
+// Keys of one key group of G = 8 * BK / BITS rows: per channel (its BK bytes at kc + e * cst, C =
+// BK / 8 chunks of 8 bytes), the G codes scaled into the query, accumulated in the order the bytes
+// hold them (vector p * C + c holds code p of bytes c*8 .. c*8+7), then written in token order.
 template <int H, int BITS, int BK>
-void quant_scores_g(const float* q, const uint8_t* kc, const uint16_t* ks, const uint16_t* kz, int64_t j0,
-                    int64_t j1, int64_t D, float* s, int64_t stride) {
+void quant_scores_g(const float* q, const uint8_t* kc, int64_t cst, const uint16_t* ks, const uint16_t* kz,
+                    int64_t D, float* s, int64_t stride) {
   constexpr int P = 8 / BITS, C = BK / 8;         // codes a byte; 8-byte chunks of a channel's codes
   constexpr int G = BK * P;                       // rows of a key group
-  for (int64_t j = j0; j < j1; ++j) {
-    __m256 acc[H][C * P];
-    float bias[H];
+  __m256 acc[H][C * P];
+  float bias[H];
+  for (int hh = 0; hh < H; ++hh) {
+    bias[hh] = 0.f;
+    for (int a = 0; a < C * P; ++a) acc[hh][a] = _mm256_setzero_ps();
+  }
+  for (int64_t e = 0; e < D; ++e) {
+    const float sc = half1(ks[e]), zr = half1(kz[e]);
+    __m256 w[H];
     for (int hh = 0; hh < H; ++hh) {
-      bias[hh] = 0.f;
-      for (int a = 0; a < C * P; ++a) acc[hh][a] = _mm256_setzero_ps();
+      w[hh] = _mm256_set1_ps(q[hh * D + e] * sc);
+      bias[hh] += q[hh * D + e] * zr;
     }
-    const uint8_t* kj = kc + j * D * BK;
-    for (int64_t e = 0; e < D; ++e) {
-      const float sc = half1(ks[j * D + e]), zr = half1(kz[j * D + e]);
-      __m256 w[H];
-      for (int hh = 0; hh < H; ++hh) {
-        w[hh] = _mm256_set1_ps(q[hh * D + e] * sc);
-        bias[hh] += q[hh * D + e] * zr;
-      }
-      const uint8_t* row = kj + e * BK;
-      for (int c = 0; c < C; ++c) {
-        const __m256i b = bytes8(row + c * 8);
-        for (int p = 0; p < P; ++p) {
-          const __m256 x = codes8<BITS>(b, p);
-          for (int hh = 0; hh < H; ++hh) acc[hh][p * C + c] = _mm256_fmadd_ps(w[hh], x, acc[hh][p * C + c]);
-        }
+    const uint8_t* row = kc + e * cst;
+    for (int c = 0; c < C; ++c) {
+      const __m256i b = bytes8(row + c * 8);
+      for (int p = 0; p < P; ++p) {
+        const __m256 x = codes8<BITS>(b, p);
+        for (int hh = 0; hh < H; ++hh) acc[hh][p * C + c] = _mm256_fmadd_ps(w[hh], x, acc[hh][p * C + c]);
       }
     }
-    for (int hh = 0; hh < H; ++hh) {
-      alignas(32) float buf[G];
-      for (int a = 0; a < C * P; ++a) _mm256_store_ps(buf + a * 8, acc[hh][a]);
-      float* sj = s + hh * stride + (j - j0) * G;
-      for (int p = 0; p < P; ++p)
-        for (int c = 0; c < C; ++c)
-          for (int k = 0; k < 8; ++k) sj[(c * 8 + k) * P + p] = buf[(p * C + c) * 8 + k] + bias[hh];
-    }
+  }
+  for (int hh = 0; hh < H; ++hh) {
+    alignas(32) float buf[G];
+    for (int a = 0; a < C * P; ++a) _mm256_store_ps(buf + a * 8, acc[hh][a]);
+    float* sj = s + hh * stride;
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c)
+        for (int k = 0; k < 8; ++k) sj[(c * 8 + k) * P + p] = buf[(p * C + c) * 8 + k] + bias[hh];
   }
 }
 
-// Values of rows [t0, t0 + n), D = 8 * DV, each 8-byte chunk of a row inside one run of gv
-// channels: out_h = sum_t (p_ht s_t) code_t + sum_t p_ht z_t, accumulated over panels of
-// channels (PV vectors per head in registers), codes in the order the bytes hold them.
-template <int H, int BITS, int DV>
+// Keys of one 1-bit key group of 32 rows (4 bytes a channel, SpeCache's): the channel's codes as
+// one 32-bit word, vector p holding rows 8p .. 8p+7 (bit 8p + lane), so they come out in order.
+template <int H>
+void quant_scores_w(const float* q, const uint8_t* kc, int64_t cst, const uint16_t* ks, const uint16_t* kz,
+                    int64_t D, float* s, int64_t stride) {
+  __m256 acc[H][4];
+  float bias[H];
+  for (int hh = 0; hh < H; ++hh) {
+    bias[hh] = 0.f;
+    for (int p = 0; p < 4; ++p) acc[hh][p] = _mm256_setzero_ps();
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+  for (int64_t e = 0; e < D; ++e) {
+    const float sc = half1(ks[e]), zr = half1(kz[e]);
+    __m256 w[H];
+    for (int hh = 0; hh < H; ++hh) {
+      w[hh] = _mm256_set1_ps(q[hh * D + e] * sc);
+      bias[hh] += q[hh * D + e] * zr;
+    }
+    uint32_t word;
+    std::memcpy(&word, kc + e * cst, 4);
+    const __m256i bits = _mm256_set1_epi32((int)word);
+    for (int p = 0; p < 4; ++p) {
+      const __m256i shift = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * p));
+      const __m256 x = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(bits, shift), one));
+      for (int hh = 0; hh < H; ++hh) acc[hh][p] = _mm256_fmadd_ps(w[hh], x, acc[hh][p]);
+    }
+  }
+  for (int hh = 0; hh < H; ++hh) {
+    const __m256 b = _mm256_set1_ps(bias[hh]);
+    for (int p = 0; p < 4; ++p) _mm256_storeu_ps(s + hh * stride + 8 * p, _mm256_add_ps(acc[hh][p], b));
+  }
+}
+
+// Values of rows [t0, t0 + n), D = 8 * DV: out_h = sum_t (p_ht s_t) code_t + sum_t p_ht z_t,
+// accumulated over panels of channels (PV vectors per head in registers), codes in the order the
+// bytes hold them (lane k of chunk c's vector pp: channel (c*8 + k)*P + pp). LANES false: each
+// 8-byte chunk of a row inside one run of gv channels (one scale a chunk); LANES true: a run of
+// gv < 8P channels (gv a multiple of P, D / gv <= 8 runs), so each lane takes its own run's scale.
+template <int H, int BITS, int DV, bool LANES>
 void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const uint16_t* vz, int64_t t0, int64_t n,
                   int64_t gv, float* a, int64_t stride) {
   constexpr int P = 8 / BITS, D = DV * 8, BV = D / P;     // bytes of a row
@@ -358,13 +310,21 @@ void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const u
   constexpr int PC = PV / P > 0 ? PV / P : 1;               // chunks a panel covers
   constexpr int NV = PC * P;                                // vectors a panel holds per head
   const int64_t runs = D / gv;
-  std::vector<float> zsum(H * runs, 0.f);
+  float zsum[H * 8 * DV];                                   // [H, runs] (runs <= D)
+  for (int64_t i = 0; i < H * runs; ++i) zsum[i] = 0.f;
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < runs; ++r) {
       const float zr = half1(vz[(t0 + t) * runs + r]);
       for (int hh = 0; hh < H; ++hh) zsum[hh * runs + r] += p[hh * stride + t] * zr;
     }
+  __m256i lane_run[PC];                                     // LANES: each lane's run in the panel's chunks
   for (int c0 = 0; c0 < CH; c0 += PC) {
+    if (LANES)
+      for (int cc = 0; cc < PC; ++cc) {
+        alignas(32) int32_t idx[8];
+        for (int k = 0; k < 8; ++k) idx[k] = (int32_t)std::min<int64_t>(((c0 + cc) * 8 + k) * P / gv, runs - 1);
+        lane_run[cc] = _mm256_load_si256((const __m256i*)idx);
+      }
     __m256 acc[H][NV];
     for (int hh = 0; hh < H; ++hh)
       for (int a2 = 0; a2 < NV; ++a2) acc[hh][a2] = _mm256_setzero_ps();
@@ -372,10 +332,19 @@ void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const u
       const int64_t row = t0 + t;
       const uint8_t* vr = vc + row * BV;
       __m256 w[H];
+      __m256 scales = _mm256_setzero_ps();
+      if (LANES) {
+        alignas(32) float rs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int64_t r = 0; r < runs; ++r) rs[r] = half1(vs[row * runs + r]);
+        scales = _mm256_load_ps(rs);
+      }
       int64_t run = -1;
       for (int cc = 0; cc < PC && c0 + cc < CH; ++cc) {
         const int c = c0 + cc;
-        if ((c * 8 * P) / gv != run) {                      // the weights change with the run's scale
+        if (LANES) {
+          const __m256 sc8 = _mm256_permutevar8x32_ps(scales, lane_run[cc]);
+          for (int hh = 0; hh < H; ++hh) w[hh] = _mm256_mul_ps(_mm256_set1_ps(p[hh * stride + t]), sc8);
+        } else if ((c * 8 * P) / gv != run) {               // the weights change with the run's scale
           run = (c * 8 * P) / gv;
           const float sc = half1(vs[row * runs + run]);
           for (int hh = 0; hh < H; ++hh) w[hh] = _mm256_set1_ps(p[hh * stride + t] * sc);
@@ -401,35 +370,45 @@ void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const u
 }
 #endif
 
-using QScoresFn = void (*)(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
-                           float*, int64_t);
+using QScoresFn = void (*)(const float*, const uint8_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*,
+                           int64_t);
 using QValuesFn = void (*)(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
                            float*, int64_t);
 
 struct QuantFns {
-  QScoresFn scores = nullptr;
+  QScoresFn scores = nullptr;     // one key group of kg rows
   QValuesFn values = nullptr;
 };
 
-QuantFns pick_quant(int64_t H, int64_t D, int64_t g, int64_t gv, int bits) {
+// H query rows; kg rows a key group (its scale per channel), gv channels a value scale
+QuantFns pick_quant(int64_t H, int64_t D, int64_t kg, int64_t gv, int bits) {
   QuantFns f;
 #ifdef KVPLAN_AVX2
   const int P = 8 / bits;
-  if (g == 32 && bits >= 2) {                            // groups of 32 rows (`executor.layers.quant`)
+  if (kg == 32 && bits >= 2) {                           // key groups of 32 rows (SpeCache's forms)
 #define KVPLAN_QS(h, b) if (H == h && bits == b) f.scores = quant_scores_g<h, b, 4 * b>;
     KVPLAN_QS(1, 2) KVPLAN_QS(1, 4) KVPLAN_QS(1, 8) KVPLAN_QS(2, 2) KVPLAN_QS(2, 4) KVPLAN_QS(2, 8)
     KVPLAN_QS(3, 2) KVPLAN_QS(3, 4) KVPLAN_QS(3, 8) KVPLAN_QS(4, 2) KVPLAN_QS(4, 4) KVPLAN_QS(4, 8)
 #undef KVPLAN_QS
   }
-  if (g * bits == 24 * 8) {                              // the pool's groups: 24 bytes of codes a channel
+  if (kg == 32 && bits == 1) {                           // SpeCache's 1-bit keys: 4 bytes a channel
+    if (H == 1) f.scores = quant_scores_w<1>;
+    if (H == 2) f.scores = quant_scores_w<2>;
+    if (H == 3) f.scores = quant_scores_w<3>;
+    if (H == 4) f.scores = quant_scores_w<4>;
+  }
+  if (kg * bits == 24 * 8) {                             // the pool's groups: 24 bytes of codes a channel
 #define KVPLAN_QS(h, b) if (H == h && bits == b) f.scores = quant_scores_g<h, b, 24>;
     KVPLAN_QS(1, 1) KVPLAN_QS(1, 2) KVPLAN_QS(1, 4) KVPLAN_QS(1, 8) KVPLAN_QS(2, 1) KVPLAN_QS(2, 2)
     KVPLAN_QS(2, 4) KVPLAN_QS(2, 8) KVPLAN_QS(3, 1) KVPLAN_QS(3, 2) KVPLAN_QS(3, 4) KVPLAN_QS(3, 8)
     KVPLAN_QS(4, 1) KVPLAN_QS(4, 2) KVPLAN_QS(4, 4) KVPLAN_QS(4, 8)
 #undef KVPLAN_QS
   }
-  if ((D / P) % 8 == 0 && gv % (8 * P) == 0) {
-#define KVPLAN_QV(h, b, dv) if (H == h && bits == b && D == 8 * dv) f.values = quant_values<h, b, dv>;
+  const bool chunked = gv % (8 * P) == 0, lanes = !chunked && gv % P == 0 && D / gv <= 8 && D % gv == 0;
+  if ((D / P) % 8 == 0 && (chunked || lanes)) {
+#define KVPLAN_QV(h, b, dv)               \
+  if (H == h && bits == b && D == 8 * dv) \
+    f.values = chunked ? quant_values<h, b, dv, false> : quant_values<h, b, dv, true>;
     KVPLAN_QV(1, 1, 8) KVPLAN_QV(2, 1, 8) KVPLAN_QV(3, 1, 8) KVPLAN_QV(4, 1, 8)
     KVPLAN_QV(1, 2, 8) KVPLAN_QV(1, 4, 8) KVPLAN_QV(1, 8, 8) KVPLAN_QV(2, 2, 8) KVPLAN_QV(2, 4, 8) KVPLAN_QV(2, 8, 8)
     KVPLAN_QV(3, 2, 8) KVPLAN_QV(3, 4, 8) KVPLAN_QV(3, 8, 8) KVPLAN_QV(4, 2, 8) KVPLAN_QV(4, 4, 8) KVPLAN_QV(4, 8, 8)
@@ -442,68 +421,6 @@ QuantFns pick_quant(int64_t H, int64_t D, int64_t g, int64_t gv, int bits) {
 }
 
 }  // namespace
-
-// q [G, h, D] fp32; per group: kc [n, D, g*b/8] u8, ks, kz [n, D] fp16, vc [Q, D*b/8] u8, vs, vz [Q, D/gv]
-// fp16, kt, vt [R, D] fp16 (rows contiguous, any row stride); masks: empty, or one [h, Q + R] bool
-// per group (empty: every row seen). bits, g, gv, D alike over the groups. -> [G, h, D] fp32
-torch::Tensor quant_decode(torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> ks,
-                           std::vector<torch::Tensor> kz, std::vector<torch::Tensor> vc, std::vector<torch::Tensor> vs,
-                           std::vector<torch::Tensor> vz, std::vector<torch::Tensor> kt, std::vector<torch::Tensor> vt,
-                           std::vector<torch::Tensor> masks, int64_t bits, int64_t g, int64_t gv, double scaling,
-                           int64_t block) {
-  const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
-  const int64_t kb = std::max<int64_t>(1, block / g);          // key groups a block
-  std::vector<int64_t> first(G + 1, 0), quant_blocks(G);
-  for (int64_t i = 0; i < G; ++i) {
-    quant_blocks[i] = (kc[i].size(0) + kb - 1) / kb;
-    first[i + 1] = first[i] + quant_blocks[i] + (kt[i].size(0) > 0 ? 1 : 0);
-  }
-  const int64_t tasks = first[G];
-  const int64_t width = std::max<int64_t>(kb * g, 1);
-  int64_t longest_tail = 0;
-  for (int64_t i = 0; i < G; ++i) longest_tail = std::max(longest_tail, kt[i].size(0));
-  const int64_t stride = std::max(width, longest_tail);
-  auto qs = (q * scaling).contiguous();
-  auto out = torch::empty({G, h, D}, q.options());
-  std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
-  const float* qp = qs.data_ptr<float>();
-  const QuantFns qf = pick_quant(h, D, g, gv, (int)bits);
-  const DenseFns df = pick_dense(h, D);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(h * stride);
-    int64_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[i + 1]) ++i;
-      const int64_t b = task - first[i];
-      const float* qi = qp + i * h * D;
-      const bool* mk = mask_ptr(masks, i);
-      const int64_t mst = mk ? masks[i].stride(0) : 0;
-      Partial part{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D};
-      if (b == quant_blocks[i]) {                            // the dense tail
-        const int64_t rows = vc[i].size(0), n = kt[i].size(0);
-        dense_block(df, qi, reinterpret_cast<const uint16_t*>(kt[i].data_ptr<at::Half>()), kt[i].stride(0),
-                    reinterpret_cast<const uint16_t*>(vt[i].data_ptr<at::Half>()), vt[i].stride(0), n, h, D,
-                    mk ? mk + rows : nullptr, mst, s.data(), stride, part);
-        continue;
-      }
-      const int64_t j0 = b * kb, j1 = std::min(kc[i].size(0), j0 + kb), n = (j1 - j0) * g;
-      const uint8_t* kcp = kc[i].data_ptr<uint8_t>();
-      const uint16_t* ksp = reinterpret_cast<const uint16_t*>(ks[i].data_ptr<at::Half>());
-      const uint16_t* kzp = reinterpret_cast<const uint16_t*>(kz[i].data_ptr<at::Half>());
-      if (qf.scores) qf.scores(qi, kcp, ksp, kzp, j0, j1, D, s.data(), stride);
-      else quant_scores_any(qi, kcp, ksp, kzp, j0, j1, h, D, g, (int)bits, s.data(), stride);
-      apply_mask(s.data(), h, n, stride, mk ? mk + j0 * g : nullptr, mst);
-      softmax_rows(s.data(), h, n, stride, part.m, part.z);
-      const uint8_t* vcp = vc[i].data_ptr<uint8_t>();
-      const uint16_t* vsp = reinterpret_cast<const uint16_t*>(vs[i].data_ptr<at::Half>());
-      const uint16_t* vzp = reinterpret_cast<const uint16_t*>(vz[i].data_ptr<at::Half>());
-      if (qf.values) qf.values(s.data(), vcp, vsp, vzp, j0 * g, n, gv, part.a, stride);
-      else quant_values_any(s.data(), vcp, vsp, vzp, j0 * g, n, h, D, gv, (int)bits, part.a, stride);
-    }
-  });
-  combine(first, h, D, mx, sm, acc, out.data_ptr<float>());
-  return out;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Quantize and pack (min/max levels, no refits): per group of g consecutive elements of a row,
@@ -605,181 +522,394 @@ std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_
 }
 
 // ---------------------------------------------------------------------------------------------
-// New rows into the dense fp16 tails of a layer's KV groups (a decode step's append): k, v
-// [G, T, D] fp32 or fp16 (any strides); per group i, kt[i], vt[i] [cap_i, D] fp16 with contiguous
-// rows, at[i] of them used. Rows at[i] .. at[i] + T of group i := k[i], v[i] rounded to fp16 (to
-// nearest even, as `Tensor.to(torch.float16)`), in place where the tail has room; else into new
-// storage of min(ceil((at[i] + T) / chunk) * chunk, limit) rows holding the tail's at[i] rows
-// first (an error if even that is too small). -> the 2G tails after it: kt'[0..G), vt'[0..G).
-std::vector<torch::Tensor> append_tails(torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> kt,
-                                        std::vector<torch::Tensor> vt, std::vector<int64_t> rows_at, int64_t chunk,
-                                        int64_t limit) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [G, T, D]");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-              (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf), "k and v must be fp32 or fp16");
-  TORCH_CHECK(chunk > 0, "chunk must be positive");
-  const int64_t G = k.size(0), T = k.size(1), D = k.size(2);
-  TORCH_CHECK((int64_t)kt.size() == G && (int64_t)vt.size() == G && (int64_t)rows_at.size() == G,
-              "one tail pair and one row count per group");
-  std::vector<int64_t> cap(G);
-  for (int64_t i = 0; i < G; ++i) {
-    TORCH_CHECK(kt[i].size(0) == vt[i].size(0), "group ", i, ": k and v tails of different sizes");
-    for (const auto* t : {&kt[i], &vt[i]})
-      TORCH_CHECK(t->scalar_type() == torch::kHalf && t->dim() == 2 && t->size(1) == D && t->stride(1) == 1,
-                  "tails must be fp16 [cap, D] with contiguous rows");
-    const int64_t need = rows_at[i] + T;
-    TORCH_CHECK(rows_at[i] >= 0 && rows_at[i] <= kt[i].size(0), "group ", i, ": ", rows_at[i], " rows used of ",
-                kt[i].size(0));
-    cap[i] = need <= kt[i].size(0) ? kt[i].size(0) : std::min((need + chunk - 1) / chunk * chunk, limit);
-    TORCH_CHECK(need <= cap[i], "group ", i, ": rows ", rows_at[i], "..", need, " past its tail's limit of ", limit);
-  }
-  std::vector<torch::Tensor> out(2 * G);
-  for (int64_t i = 0; i < G; ++i)
-    for (int w = 0; w < 2; ++w) {
-      torch::Tensor dst = w ? vt[i] : kt[i];
-      if (cap[i] > dst.size(0)) {                          // a larger storage, the used rows first
-        torch::Tensor grown = torch::empty({cap[i], D}, dst.options());
-        for (int64_t j = 0; j < rows_at[i]; ++j)
-          std::copy_n(dst.data_ptr<at::Half>() + j * dst.stride(0), D, grown.data_ptr<at::Half>() + j * D);
-        dst = grown;
-      }
-      const torch::Tensor& src = w ? v : k;
-      const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
-      for (int64_t j = 0; j < T; ++j) {
-        uint16_t* o = reinterpret_cast<uint16_t*>(dst.data_ptr<at::Half>()) + (rows_at[i] + j) * dst.stride(0);
-        if (src.scalar_type() == torch::kHalf) {
-          const uint16_t* x = reinterpret_cast<const uint16_t*>(src.data_ptr<at::Half>()) + i * s0 + j * s1;
-          for (int64_t d = 0; d < D; ++d) o[d] = x[d * s2];
-        } else {
-          const float* x = src.data_ptr<float>() + i * s0 + j * s1;
-          for (int64_t d = 0; d < D; ++d) o[d] = _cvtss_sh(x[d * s2], _MM_FROUND_TO_NEAREST_INT);
-        }
-      }
-      out[w * G + i] = dst;
-    }
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Paged decode (`kernels.paged_decode`): one query row per head over every stream of a layer in
-// one call, each stream's rows in the engine's pool (`executor.engine.kv_pool`): its quantized
-// groups (one group of g rows a block, at any of 2/4/8 bits) and its dense rows [start, end) (fp16
-// blocks of R rows: K rows then V rows), in one softmax. Split-K tasks: runs of whole groups, then
-// runs of whole dense blocks, each at most `task_rows` rows; a stream's tasks combine in a fixed
-// order, so its result is its own whatever else the call holds or the thread count.
+// Paged decode over mixed storage forms (`kernels.paged_decode`): a few query rows per stream,
+// every stream of a layer (KV head x sequence) in one call, each over its rows in the pool of equal
+// pages (`kvcore.blocks`), in one softmax per query row:
+//   quant  qn pages of its quant form (K codes per channel, fp16 scale and zero per channel and
+//          key group; V codes per row, scale and zero per run of gv channels); rows whose bit is
+//          set in its skip page are left out
+//   coded  cn rows, each k = mag_k * E_k[ref_k] (turned by RoPE at pos when pos >= 0), v = mag_v *
+//          E_v[ref_v]; ref_k < 0: no row; query row j sees it when bit j % group_heads of heads is set
+//   dense  rows [start, end) of fp16 pages of R rows (K rows, then V rows)
+// Split-K tasks per stream: runs of whole quant pages, runs of whole coded pages, runs of whole
+// dense pages, each at most `task_rows` rows (one page at least); a stream's tasks combine in that
+// fixed order, so its result is its own whatever else the call holds or the thread count.
+// Query rows go through the AVX2 kernels in chunks (4 for quant pages, 8 for dense), so any h runs
+// the vector paths; coded rows take plain vector loads (a row of entries, RoPE from the tables).
 namespace {
 
-struct QuantParts {            // byte offsets of a quant block's parts (`kvcore.blocks.Layout.quant_parts`)
-  int64_t kc, ks, kz, vc, vs, vz;
+constexpr int QUANT_CHUNK = 4, DENSE_CHUNK = 8;
+
+struct FormDesc {            // a quant form (`Layout.quant_forms`, byte offsets as `Layout.form_parts`)
+  int bits = 0;
+  int64_t g = 0, kg = 0, gv = 0;
+  int64_t kc = 0, ks = 0, kz = 0, vc = 0, vs = 0, vz = 0, bytes = 0;
+  QuantFns fns[QUANT_CHUNK + 1];   // by query rows of a chunk
 };
 
-QuantParts quant_parts(int64_t D, int64_t g, int64_t gv, int bits) {
-  QuantParts p;
-  p.kc = 0;
-  p.ks = p.kc + D * g * bits / 8;
-  p.kz = p.ks + D * 2;
-  p.vc = p.kz + D * 2;
-  p.vs = p.vc + g * D * bits / 8;
-  p.vz = p.vs + g * (D / gv) * 2;
-  return p;
+FormDesc form_desc(const int32_t* row, int64_t f, int64_t D, int64_t page_bytes) {
+  FormDesc d;
+  d.bits = row[0];
+  d.g = row[1];
+  d.kg = row[2];
+  d.gv = row[3];
+  if (f == 0) return d;                                  // form 0: no quant rows
+  TORCH_CHECK(d.bits == 1 || d.bits == 2 || d.bits == 4 || d.bits == 8, "form ", f, ": bits ", d.bits);
+  TORCH_CHECK(d.g > 0 && d.kg > 0 && d.g % d.kg == 0 && (d.kg * d.bits) % 8 == 0, "form ", f, ": ", d.g,
+              " rows in key groups of ", d.kg);
+  TORCH_CHECK(d.gv > 0 && D % d.gv == 0 && (D * d.bits) % 8 == 0, "form ", f, ": value group ", d.gv, " of ", D);
+  const int64_t n = d.g / d.kg;
+  d.kc = 0;
+  d.ks = d.kc + D * d.g * d.bits / 8;
+  d.kz = d.ks + n * D * 2;
+  d.vc = d.kz + n * D * 2;
+  d.vs = d.vc + d.g * D * d.bits / 8;
+  d.vz = d.vs + d.g * (D / d.gv) * 2;
+  d.bytes = d.vz + d.g * (D / d.gv) * 2;
+  TORCH_CHECK(d.bytes <= page_bytes, "form ", f, ": ", d.bytes, " bytes past a page of ", page_bytes);
+  for (int c = 1; c <= QUANT_CHUNK; ++c) d.fns[c] = pick_quant(c, D, d.kg, d.gv, d.bits);
+  return d;
+}
+
+struct CodedDesc {           // a coded page's fields' byte offsets (`Layout.coded_parts`): M rows each
+  int64_t ref_k, ref_v, pos, mag_k, mag_v, heads;
+};
+
+CodedDesc coded_desc(int64_t M) { return {0, 4 * M, 8 * M, 12 * M, 14 * M, 16 * M}; }
+
+inline int32_t load_i32(const uint8_t* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return x;
+}
+
+inline float load_half(const uint8_t* p) {
+  uint16_t x;
+  std::memcpy(&x, p, 2);
+  return half1(x);
+}
+
+// scores of n dense rows k (rows D apart) for h query rows, DENSE_CHUNK rows at a time
+void dense_scores_rows(const DenseFns* df, const float* q, const uint16_t* k, int64_t n, int64_t h, int64_t D,
+                       float* s, int64_t stride) {
+  for (int64_t j0 = 0; j0 < h; j0 += DENSE_CHUNK) {
+    const int64_t c = std::min<int64_t>(DENSE_CHUNK, h - j0);
+    if (df[c].scores) df[c].scores(q + j0 * D, k, D, n, s + j0 * stride, stride);
+    else dense_scores_any(q + j0 * D, k, D, n, c, D, s + j0 * stride, stride);
+  }
+}
+
+// a [h, D] = p [h, n] . n dense rows v (rows D apart)
+void dense_values_rows(const DenseFns* df, const float* p, const uint16_t* v, int64_t n, int64_t h, int64_t D,
+                       float* a, int64_t stride) {
+  for (int64_t j0 = 0; j0 < h; j0 += DENSE_CHUNK) {
+    const int64_t c = std::min<int64_t>(DENSE_CHUNK, h - j0);
+    if (df[c].values) df[c].values(p + j0 * stride, v, D, n, a + j0 * D, stride);
+    else dense_values_any(p + j0 * stride, v, D, n, c, D, a + j0 * D, stride);
+  }
+}
+
+// scores of a quant page's g rows (s[j, 0..g)), key group by key group
+void quant_scores_page(const FormDesc& f, const float* q, const uint8_t* page, int64_t h, int64_t D, float* s,
+                       int64_t stride) {
+  const int64_t cst = f.g * f.bits / 8, kb = f.kg * f.bits / 8;     // a channel's code bytes; a key group's
+  const uint16_t* ks = reinterpret_cast<const uint16_t*>(page + f.ks);
+  const uint16_t* kz = reinterpret_cast<const uint16_t*>(page + f.kz);
+  for (int64_t n = 0; n < f.g / f.kg; ++n)
+    for (int64_t j0 = 0; j0 < h; j0 += QUANT_CHUNK) {
+      const int64_t c = std::min<int64_t>(QUANT_CHUNK, h - j0);
+      const uint8_t* kc = page + f.kc + n * kb;
+      float* sj = s + j0 * stride + n * f.kg;
+      if (f.fns[c].scores) f.fns[c].scores(q + j0 * D, kc, cst, ks + n * D, kz + n * D, D, sj, stride);
+      else quant_scores_any(q + j0 * D, kc, cst, ks + n * D, kz + n * D, c, D, f.kg, f.bits, sj, stride);
+    }
+}
+
+// a [h, D] = p [h, g] . a quant page's g values
+void quant_values_page(const FormDesc& f, const float* p, const uint8_t* page, int64_t h, int64_t D, float* a,
+                       int64_t stride) {
+  const uint16_t* vs = reinterpret_cast<const uint16_t*>(page + f.vs);
+  const uint16_t* vz = reinterpret_cast<const uint16_t*>(page + f.vz);
+  for (int64_t j0 = 0; j0 < h; j0 += QUANT_CHUNK) {
+    const int64_t c = std::min<int64_t>(QUANT_CHUNK, h - j0);
+    if (f.fns[c].values) f.fns[c].values(p + j0 * stride, page + f.vc, vs, vz, 0, f.g, f.gv, a + j0 * D, stride);
+    else quant_values_any(p + j0 * stride, page + f.vc, vs, vz, 0, f.g, c, D, f.gv, f.bits, a + j0 * D, stride);
+  }
+}
+
+// out [D] = m * x (x fp16)
+void scaled_row(const uint16_t* x, float m, int64_t D, float* out) {
+  int64_t e = 0;
+#ifdef KVPLAN_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; e + 8 <= D; e += 8) _mm256_storeu_ps(out + e, _mm256_mul_ps(half8(x + e), mv));
+#endif
+  for (; e < D; ++e) out[e] = half1(x[e]) * m;
+}
+
+// k [D] := k * cos + rotate_half(k) * sin (HF's rotate_half: (-k[D/2:], k[:D/2])); tmp [D]
+void rope_row(float* k, const float* cos, const float* sin, int64_t D, float* tmp) {
+  const int64_t half = D / 2;
+  int64_t e = 0;
+#ifdef KVPLAN_AVX2
+  for (; e + 8 <= half; e += 8) {
+    const __m256 lo = _mm256_loadu_ps(k + e), hi = _mm256_loadu_ps(k + half + e);
+    _mm256_storeu_ps(tmp + e,
+                     _mm256_fnmadd_ps(hi, _mm256_loadu_ps(sin + e), _mm256_mul_ps(lo, _mm256_loadu_ps(cos + e))));
+    _mm256_storeu_ps(tmp + half + e, _mm256_fmadd_ps(lo, _mm256_loadu_ps(sin + half + e),
+                                                     _mm256_mul_ps(hi, _mm256_loadu_ps(cos + half + e))));
+  }
+#endif
+  for (; e < half; ++e) {
+    tmp[e] = k[e] * cos[e] - k[half + e] * sin[e];
+    tmp[half + e] = k[half + e] * cos[half + e] + k[e] * sin[half + e];
+  }
+  std::copy(tmp, tmp + 2 * half, k);
+}
+
+float dot_row(const float* a, const float* b, int64_t D) {
+  int64_t e = 0;
+  float d = 0.f;
+#ifdef KVPLAN_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; e + 8 <= D; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), acc);
+  d = hsum(acc);
+#endif
+  for (; e < D; ++e) d += a[e] * b[e];
+  return d;
+}
+
+// y [D] += w * x
+void axpy_row(float w, const float* x, float* y, int64_t D) {
+  int64_t e = 0;
+#ifdef KVPLAN_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; e + 8 <= D; e += 8)
+    _mm256_storeu_ps(y + e, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + e), _mm256_loadu_ps(y + e)));
+#endif
+  for (; e < D; ++e) y[e] += w * x[e];
+}
+
+// Combine each stream's tasks (in task order) into out [G, h, D] and lse [G, h]; a query row that
+// saw no row: zeros and -inf. One thread: a few microseconds of work, and a second parallel region
+// costs more than that on a busy host.
+void combine_lse(const std::vector<int64_t>& first, int64_t h, int64_t D, const std::vector<float>& mx,
+                 const std::vector<float>& sm, const std::vector<float>& acc, float* op, float* lp) {
+  const int64_t G = (int64_t)first.size() - 1;
+  for (int64_t gj = 0; gj < G * h; ++gj) {
+    const int64_t g = gj / h, j = gj % h;
+    float M = -INFINITY;
+    for (int64_t task = first[g]; task < first[g + 1]; ++task) M = std::max(M, mx[task * h + j]);
+    float* o = op + gj * D;
+    std::fill(o, o + D, 0.f);
+    lp[gj] = -INFINITY;
+    if (M == -INFINITY) continue;
+    float Z = 0.f;
+    for (int64_t task = first[g]; task < first[g + 1]; ++task) {
+      if (mx[task * h + j] == -INFINITY) continue;
+      const float w = std::exp(mx[task * h + j] - M);
+      Z += w * sm[task * h + j];
+      axpy_row(w, acc.data() + (task * h + j) * D, o, D);
+    }
+    for (int64_t e = 0; e < D; ++e) o[e] /= Z;
+    lp[gj] = M + std::log(Z);
+  }
+}
+
+void check_table(const torch::Tensor& t, const char* name, int64_t G, bool two) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt && t.dim() == (two ? 2 : 1) && t.size(0) == G, name, " must be int32 [",
+              G, two ? ", MB]" : "]");
+  TORCH_CHECK(two ? t.stride(1) == 1 : t.is_contiguous(), name, " must have contiguous rows");
 }
 
 }  // namespace
 
-// q [G, h, D] fp32; arena [bytes] u8; dtable [G, MBd] int32 (pages), dstart, dend [G] int32;
-// qtable [G, MBq] int32 (pages), qn, qbits [G] int32 (qbits 0 or qn 0: no groups); group_rows,
-// value_groups [9]: a group's rows and a value scale's channels at each width (`kvcore.blocks`)
-// -> [G, h, D] fp32
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor dtable, torch::Tensor dstart,
-                           torch::Tensor dend, torch::Tensor qtable, torch::Tensor qn, torch::Tensor qbits,
-                           int64_t page_bytes, int64_t R, std::vector<int64_t> group_rows,
-                           std::vector<int64_t> value_groups, double scaling, int64_t task_rows) {
+// q [G, h, D] fp32; arena [bytes] u8; dtable [G, MBd], dstart, dend [G]; qtable [G, MBq], qn,
+// qform [G]; ctable [G, MBc], cn [G]; ektable [G, MBk], evtable [G, MBv]; xpage [G] (all int32:
+// pages, row counts, form ids; xpage -1: no skip page); forms [F, 4] int32 (bits, rows, key group,
+// value group per form; form 0: none); cos, sin [T, D] fp32 (RoPE of coded keys stored pre-RoPE);
+// page_bytes, R dense rows a page, coded_rows M a coded page, entry_rows E an entry page;
+// group_heads: query row j is head j % group_heads of its group (1..8); task_rows: split-K size
+// -> out [G, h, D] fp32, lse [G, h] fp32
+std::tuple<torch::Tensor, torch::Tensor> paged_decode_mixed(
+    torch::Tensor q, torch::Tensor arena, torch::Tensor dtable, torch::Tensor dstart, torch::Tensor dend,
+    torch::Tensor qtable, torch::Tensor qn, torch::Tensor qform, torch::Tensor ctable, torch::Tensor cn,
+    torch::Tensor ektable, torch::Tensor evtable, torch::Tensor xpage, torch::Tensor forms, torch::Tensor cos,
+    torch::Tensor sin, int64_t page_bytes, int64_t R, int64_t coded_rows, int64_t entry_rows, int64_t group_heads,
+    double scaling, int64_t task_rows) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "q must be fp32 [G, h, D]");
-  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.is_contiguous(), "arena must be contiguous uint8");
-  TORCH_CHECK(group_rows.size() == 9 && value_groups.size() == 9, "group_rows and value_groups: one per width 0..8");
+  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.dim() == 1 && arena.is_contiguous(),
+              "arena must be contiguous uint8 [bytes]");
   const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
-  for (const auto* t : {&dtable, &qtable})
-    TORCH_CHECK(t->scalar_type() == torch::kInt && t->dim() == 2 && t->size(0) == G && t->stride(1) == 1,
-                "tables must be int32 [G, MB] with contiguous rows");
-  for (const auto* t : {&dstart, &dend, &qn, &qbits})
-    TORCH_CHECK(t->scalar_type() == torch::kInt && t->numel() == G && t->is_contiguous(), "spans must be int32 [G]");
-  const int32_t* dt = dtable.data_ptr<int32_t>();
-  const int32_t* qt = qtable.data_ptr<int32_t>();
-  const int32_t *ds = dstart.data_ptr<int32_t>(), *de = dend.data_ptr<int32_t>();
-  const int32_t *qnp = qn.data_ptr<int32_t>(), *qbp = qbits.data_ptr<int32_t>();
-  const int64_t dts = dtable.stride(0), qts = qtable.stride(0);
-  const int64_t db = std::max<int64_t>(1, task_rows / R);
-  std::vector<int64_t> first(G + 1, 0), qtasks(G), kbs(G);
-  int64_t width = db * R;
+  TORCH_CHECK(R > 0 && 4 * R * D <= page_bytes, "a dense page of ", R, " K and V rows of ", D, " fp16 past ",
+              page_bytes, " bytes");
+  TORCH_CHECK(entry_rows > 0 && 2 * entry_rows * D <= page_bytes, "entry pages of ", entry_rows, " rows past a page");
+  TORCH_CHECK(coded_rows > 0 && 17 * coded_rows <= page_bytes, "coded pages of ", coded_rows, " rows past a page");
+  TORCH_CHECK(group_heads >= 1 && group_heads <= 8, "group_heads must be 1..8 (a byte of heads a coded row)");
+  TORCH_CHECK(task_rows > 0, "task_rows must be positive");
+  check_table(dtable, "dtable", G, true);
+  check_table(qtable, "qtable", G, true);
+  check_table(ctable, "ctable", G, true);
+  check_table(ektable, "ektable", G, true);
+  check_table(evtable, "evtable", G, true);
+  check_table(dstart, "dstart", G, false);
+  check_table(dend, "dend", G, false);
+  check_table(qn, "qn", G, false);
+  check_table(qform, "qform", G, false);
+  check_table(cn, "cn", G, false);
+  check_table(xpage, "xpage", G, false);
+  TORCH_CHECK(forms.scalar_type() == torch::kInt && forms.dim() == 2 && forms.size(1) == 4 && forms.size(0) >= 1 &&
+              forms.is_contiguous(), "forms must be int32 [F, 4]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.dim() == 2 &&
+              cos.sizes() == sin.sizes() && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous(),
+              "cos and sin must be fp32 [T, D]");
+  const int64_t npages = arena.numel() / page_bytes, T = cos.size(0), F = forms.size(0);
+  const int64_t M = coded_rows, E = entry_rows;
+  std::vector<FormDesc> fd(F);
+  for (int64_t f = 0; f < F; ++f) fd[f] = form_desc(forms.data_ptr<int32_t>() + 4 * f, f, D, page_bytes);
+  const CodedDesc cd = coded_desc(M);
+
+  const int32_t *dt = dtable.data_ptr<int32_t>(), *qt = qtable.data_ptr<int32_t>(), *ct = ctable.data_ptr<int32_t>();
+  const int32_t *ekt = ektable.data_ptr<int32_t>(), *evt = evtable.data_ptr<int32_t>();
+  const int32_t *ds = dstart.data_ptr<int32_t>(), *de = dend.data_ptr<int32_t>(), *qnp = qn.data_ptr<int32_t>();
+  const int32_t *qfp = qform.data_ptr<int32_t>(), *cnp = cn.data_ptr<int32_t>(), *xp = xpage.data_ptr<int32_t>();
+  const int64_t dts = dtable.stride(0), qts = qtable.stride(0), cts = ctable.stride(0);
+  const int64_t ekts = ektable.stride(0), evts = evtable.stride(0);
+  const int64_t ekw = ektable.size(1), evw = evtable.size(1);
+  auto page_ok = [&](int64_t p, int64_t i, const char* what) {
+    TORCH_CHECK(p >= 0 && p < npages, "stream ", i, ": ", what, " page ", p, " outside the arena's ", npages);
+  };
+
+  // tasks: per stream its quant runs, coded runs, dense runs
+  const int64_t db = std::max<int64_t>(1, task_rows / R), cb = std::max<int64_t>(1, task_rows / M);
+  std::vector<int64_t> first(G + 1, 0), qtasks(G), ctasks(G), kbs(G, 1);
+  int64_t width = 1;
   for (int64_t i = 0; i < G; ++i) {
-    const int bits = qbp[i];
-    TORCH_CHECK(bits >= 0 && bits <= 8 && (bits == 0 || group_rows[bits] > 0), "stream ", i, ": bad width ", bits);
-    const int64_t groups = bits ? qnp[i] : 0, g = bits ? group_rows[bits] : 1;
-    TORCH_CHECK(ds[i] >= 0 && de[i] >= ds[i], "stream ", i, ": dense rows [", ds[i], ", ", de[i], ")");
+    const int64_t f = qfp[i];
+    TORCH_CHECK(f >= 0 && f < F, "stream ", i, ": quant form ", f, " not in the form table's ", F);
+    const int64_t pages = f ? (int64_t)qnp[i] : 0;
+    TORCH_CHECK(pages >= 0 && pages <= qtable.size(1), "stream ", i, ": ", pages, " quant pages, table width ",
+                qtable.size(1));
+    for (int64_t j = 0; j < pages; ++j) page_ok(qt[i * qts + j], i, "quant");
+    if (pages && xp[i] >= 0) {
+      page_ok(xp[i], i, "skip");
+      TORCH_CHECK(pages * fd[f].g <= 8 * page_bytes, "stream ", i, ": ", pages * fd[f].g,
+                  " quant rows past a skip page");
+    }
+    const int64_t g = f ? fd[f].g : 1;
     kbs[i] = std::max<int64_t>(1, task_rows / g);
-    width = std::max(width, kbs[i] * g);
-    qtasks[i] = (groups + kbs[i] - 1) / kbs[i];
-    const int64_t blocks = (de[i] + R - 1) / R - ds[i] / R;
-    first[i + 1] = first[i] + qtasks[i] + (blocks + db - 1) / db;
+    qtasks[i] = (pages + kbs[i] - 1) / kbs[i];
+    if (qtasks[i]) width = std::max(width, kbs[i] * g);
+    const int64_t c = cnp[i], cpages = (c + M - 1) / M;
+    TORCH_CHECK(c >= 0 && cpages <= ctable.size(1), "stream ", i, ": ", c, " coded rows, table width ", ctable.size(1));
+    for (int64_t j = 0; j < cpages; ++j) page_ok(ct[i * cts + j], i, "coded");
+    ctasks[i] = (cpages + cb - 1) / cb;
+    if (ctasks[i]) width = std::max(width, cb * M);
+    TORCH_CHECK(ds[i] >= 0 && de[i] >= ds[i] && (de[i] + R - 1) / R <= dtable.size(1), "stream ", i,
+                ": dense rows [", ds[i], ", ", de[i], ") with table width ", dtable.size(1));
+    const int64_t blocks = de[i] > ds[i] ? (de[i] + R - 1) / R - ds[i] / R : 0;
+    for (int64_t j = 0; j < blocks; ++j) page_ok(dt[i * dts + ds[i] / R + j], i, "dense");
+    if (blocks) width = std::max(width, db * R);
+    first[i + 1] = first[i] + qtasks[i] + ctasks[i] + (blocks + db - 1) / db;
   }
   const int64_t tasks = first[G];
   auto qs = (q * scaling).contiguous();
   auto out = torch::empty({G, h, D}, q.options());
+  auto lse = torch::empty({G, h}, q.options());
   std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
   const float* qp = qs.data_ptr<float>();
+  const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const uint8_t* base = arena.data_ptr<uint8_t>();
-  const DenseFns df = pick_dense(h, D);
-  QuantFns qf[9];
-  QuantParts qparts[9];
-  for (int b : {1, 2, 4, 8}) {
-    if (group_rows[b] <= 0) continue;
-    qf[b] = pick_quant(h, D, group_rows[b], value_groups[b], b);
-    qparts[b] = quant_parts(D, group_rows[b], value_groups[b], b);
-  }
+  DenseFns df[DENSE_CHUNK + 1];
+  for (int c = 1; c <= DENSE_CHUNK; ++c) df[c] = pick_dense(c, D);
+
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(h * width), tmp(h * D);
+    std::vector<float> s(h * width), tmp(h * D), kr(D), vr(D), rot(D);
     int64_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= first[i + 1]) ++i;
-      const int64_t b = task - first[i];
+      int64_t b = task - first[i];
       const float* qi = qp + i * h * D;
       Partial part{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D};
       float* a = part.a;
-      if (b < qtasks[i]) {                                   // whole quant groups [j0, j1)
-        const int bits = qbp[i];
-        const int64_t g = group_rows[bits], gv = value_groups[bits], kb = kbs[i];
-        const QuantParts& pp = qparts[bits];
-        const int64_t j0 = b * kb, j1 = std::min<int64_t>(qnp[i], j0 + kb), n = (j1 - j0) * g;
-        for (int64_t j = j0; j < j1; ++j) {
-          const uint8_t* blk = base + (int64_t)qt[i * qts + j] * page_bytes;
-          const uint16_t* ks = reinterpret_cast<const uint16_t*>(blk + pp.ks);
-          const uint16_t* kz = reinterpret_cast<const uint16_t*>(blk + pp.kz);
-          float* sj = s.data() + (j - j0) * g;
-          if (qf[bits].scores) qf[bits].scores(qi, blk + pp.kc, ks, kz, 0, 1, D, sj, width);
-          else quant_scores_any(qi, blk + pp.kc, ks, kz, 0, 1, h, D, g, bits, sj, width);
+      if (b < qtasks[i]) {                                   // whole quant pages [j0, j1)
+        const FormDesc& f = fd[qfp[i]];
+        const int64_t g = f.g, j0 = b * kbs[i], j1 = std::min<int64_t>(qnp[i], j0 + kbs[i]), n = (j1 - j0) * g;
+        for (int64_t j = j0; j < j1; ++j)
+          quant_scores_page(f, qi, base + (int64_t)qt[i * qts + j] * page_bytes, h, D, s.data() + (j - j0) * g, width);
+        if (xp[i] >= 0) {                                    // rows the skip page marks: seen by none
+          const uint8_t* xb = base + (int64_t)xp[i] * page_bytes;
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t r = j0 * g + t;
+            if ((xb[r >> 3] >> (r & 7)) & 1)
+              for (int64_t j = 0; j < h; ++j) s[j * width + t] = -INFINITY;
+          }
         }
         softmax_rows(s.data(), h, n, width, part.m, part.z);
         std::fill(a, a + h * D, 0.f);
         for (int64_t j = j0; j < j1; ++j) {
-          const uint8_t* blk = base + (int64_t)qt[i * qts + j] * page_bytes;
-          const uint16_t* vs = reinterpret_cast<const uint16_t*>(blk + pp.vs);
-          const uint16_t* vz = reinterpret_cast<const uint16_t*>(blk + pp.vz);
-          const float* pj = s.data() + (j - j0) * g;
-          if (qf[bits].values) qf[bits].values(pj, blk + pp.vc, vs, vz, 0, g, gv, tmp.data(), width);
-          else quant_values_any(pj, blk + pp.vc, vs, vz, 0, g, h, D, gv, bits, tmp.data(), width);
+          quant_values_page(f, s.data() + (j - j0) * g, base + (int64_t)qt[i * qts + j] * page_bytes, h, D,
+                            tmp.data(), width);
           for (int64_t e = 0; e < h * D; ++e) a[e] += tmp[e];
         }
         continue;
       }
-      const int64_t b0 = ds[i] / R + (b - qtasks[i]) * db;   // whole dense pages [b0, b1), rows from ds on
+      b -= qtasks[i];
+      if (b < ctasks[i]) {                                   // coded rows [r0, r1): whole coded pages
+        const int64_t r0 = b * cb * M, r1 = std::min<int64_t>(cnp[i], r0 + cb * M), n = r1 - r0;
+        for (int64_t r = r0; r < r1; ++r) {
+          const uint8_t* pg = base + (int64_t)ct[i * cts + r / M] * page_bytes;
+          const int64_t slot = r % M, col = r - r0;
+          const int32_t rk = load_i32(pg + cd.ref_k + 4 * slot);
+          if (rk < 0) {                                      // no row
+            for (int64_t j = 0; j < h; ++j) s[j * width + col] = -INFINITY;
+            continue;
+          }
+          TORCH_CHECK(rk / E < ekw, "stream ", i, ": coded row ", r, " names K entry ", rk, " past its table");
+          const int64_t ep = ekt[i * ekts + rk / E];
+          page_ok(ep, i, "K entry");
+          scaled_row(reinterpret_cast<const uint16_t*>(base + ep * page_bytes) + (rk % E) * D,
+                     load_half(pg + cd.mag_k + 2 * slot), D, kr.data());
+          const int32_t pos = load_i32(pg + cd.pos + 4 * slot);
+          if (pos >= 0) {
+            TORCH_CHECK(pos < T, "stream ", i, ": coded row ", r, " at position ", pos, " past the RoPE tables' ", T);
+            rope_row(kr.data(), cosp + pos * D, sinp + pos * D, D, rot.data());
+          }
+          const int heads = pg[cd.heads + slot];
+          for (int64_t j = 0; j < h; ++j)
+            s[j * width + col] = (heads >> (j % group_heads)) & 1 ? dot_row(qi + j * D, kr.data(), D) : -INFINITY;
+        }
+        softmax_rows(s.data(), h, n, width, part.m, part.z);
+        std::fill(a, a + h * D, 0.f);
+        for (int64_t r = r0; r < r1; ++r) {
+          const uint8_t* pg = base + (int64_t)ct[i * cts + r / M] * page_bytes;
+          const int64_t slot = r % M, col = r - r0;
+          bool any = false;
+          for (int64_t j = 0; j < h && !any; ++j) any = s[j * width + col] != 0.f;
+          if (!any) continue;                                // no weight (absent, or masked for every row)
+          const int32_t rv = load_i32(pg + cd.ref_v + 4 * slot);
+          TORCH_CHECK(rv >= 0 && rv / E < evw, "stream ", i, ": coded row ", r, " names V entry ", rv,
+                      " past its table");
+          const int64_t ep = evt[i * evts + rv / E];
+          page_ok(ep, i, "V entry");
+          scaled_row(reinterpret_cast<const uint16_t*>(base + ep * page_bytes) + (rv % E) * D,
+                     load_half(pg + cd.mag_v + 2 * slot), D, vr.data());
+          for (int64_t j = 0; j < h; ++j) {
+            const float w = s[j * width + col];
+            if (w != 0.f) axpy_row(w, vr.data(), a + j * D, D);
+          }
+        }
+        continue;
+      }
+      b -= ctasks[i];
+      const int64_t b0 = ds[i] / R + b * db;                 // whole dense pages [b0, b1), rows from ds on
       const int64_t b1 = std::min<int64_t>((de[i] + R - 1) / R, b0 + db);
       int64_t n = 0;
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
         const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
         const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + lo * D;
-        if (df.scores) df.scores(qi, k, D, rows, s.data() + n, width);
-        else dense_scores_any(qi, k, D, rows, h, D, s.data() + n, width);
+        dense_scores_rows(df, qi, k, rows, h, D, s.data() + n, width);
         n += rows;
       }
       softmax_rows(s.data(), h, n, width, part.m, part.z);
@@ -790,15 +920,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor d
         const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
         const uint16_t* v = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) +
                             (R + lo) * D;
-        if (df.values) df.values(s.data() + n, v, D, rows, tmp.data(), width);
-        else dense_values_any(s.data() + n, v, D, rows, h, D, tmp.data(), width);
+        dense_values_rows(df, s.data() + n, v, rows, h, D, tmp.data(), width);
         for (int64_t e = 0; e < h * D; ++e) a[e] += tmp[e];
         n += rows;
       }
     }
   });
-  combine(first, h, D, mx, sm, acc, out.data_ptr<float>());
-  return out;
+  combine_lse(first, h, D, mx, sm, acc, out.data_ptr<float>(), lse.data_ptr<float>());
+  return {out, lse};
 }
 
 // kernels/cpu_decoder_ops.cpp
@@ -816,8 +945,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "a step's K/V rows into the pool's fp16 rows");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
-  m.def("dense_decode", &dense_decode, "decode attention over dense fp16 rows of many groups");
-  m.def("quant_decode", &quant_decode, "decode attention over KIVI-quantized rows of many groups");
-  m.def("paged_decode", &paged_decode, "decode attention over the streams of a layer in the paged pool");
-  m.def("append_tails", &append_tails, "new rows into many groups' fp16 tails (grown where full)");
+  m.def("paged_decode_mixed", &paged_decode_mixed,
+        "decode attention over every stream of a layer in the paged pool, whatever its storage forms");
 }

@@ -239,3 +239,269 @@ def paged_decode(q: torch.Tensor, arena: torch.Tensor, dtable, dstart, dend, qta
 
 class _kernels:
     """The device kernels, where they are built (`paged_decode_triton` below, with Triton)."""
+
+
+# ---- the Triton kernels (CUDA; anywhere under TRITON_INTERPRET=1) ---------------------------------
+# Flash-decoding: a grid of (streams × splits × chunks of 8 query rows), split s of a stream taking the
+# s-th share of each of its parts (quant pages, coded rows, dense pages) in an online softmax, its
+# partial (m, l, acc) kept per query row; a second kernel merges a stream's partials by log-sum-exp.
+# The split count comes from the table widths alone, so nothing is read back to the host and the only
+# allocations are the outputs and the partials: a CUDA graph can hold the call.
+
+SPLIT_PAGES = 16       # pages (at the tables' widths) a split takes at most
+MAX_SPLITS = 64
+ROW_CHUNK = 8          # query rows a program takes at most (more rows: more programs over the same pages).
+                       # On an H100 (Triton 3.6), a program of 16 rows went wrong: its p·v, a sum over
+                       # the middle axis of [16, T, D] products, came out 7e-4 off at T = 16 (like a
+                       # TF32 product) and wholly wrong at T = 8; at 8 rows it is exact (1e-7)
+_DEVICE_CONSTANTS: dict = {}
+
+
+def triton_splits(dtable: torch.Tensor, qtable: torch.Tensor, ctable: torch.Tensor) -> int:
+    """Splits of every stream: the widest stream's pages (every page the same bytes, so the same
+    work whatever its form) over SPLIT_PAGES, from the tables' widths [G, MB] alone."""
+    pages = dtable.shape[1] + qtable.shape[1] + ctable.shape[1]
+    return max(1, min(MAX_SPLITS, -(-pages // SPLIT_PAGES)))
+
+
+def _constants(layout: Layout, device: torch.device, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The form table [F, 4] on the device (made once per layout and device) and the RoPE tables
+    (cos, sin [T, D] fp32; without rope, a dummy row and T = 0: no coded key is turned)."""
+    key = (layout, str(device))
+    if key not in _DEVICE_CONSTANTS:
+        _DEVICE_CONSTANTS[key] = (form_table(layout).to(device),
+                                  torch.zeros(1, layout.head_dim, dtype=torch.float32, device=device))
+    forms, dummy = _DEVICE_CONSTANTS[key]
+    if rope is None:
+        return forms, dummy, dummy, 0
+    cos, sin = (x.to(device=device, dtype=torch.float32).contiguous() for x in rope)
+    return forms, cos, sin, cos.shape[0]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _online(m_i, l_i, acc, sc, v):
+        """One tile into a running softmax: sc [HC, T] scores (-inf: unseen), v [T, D] fp32."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)         # a row that saw nothing yet
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(sc - m_use[:, None])
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_decode_split(
+        q_ptr,                    # [G, H, D] fp32 contiguous
+        arena_ptr,                # [bytes] uint8
+        m_ptr, l_ptr, acc_ptr,    # partials [G, S, HP], [G, S, HP], [G, S, HP, D] fp32
+        dt_ptr, ds_ptr, de_ptr,   # [G, MBD], [G], [G] int32
+        qt_ptr, qn_ptr, qf_ptr,   # [G, MBQ], [G], [G]
+        ct_ptr, cn_ptr,           # [G, MBC], [G]
+        ekt_ptr, evt_ptr,         # [G, MBK], [G, MBV]
+        xp_ptr,                   # [G]
+        form_ptr,                 # [F, 4] int32: bits, rows, key group, value group
+        cos_ptr, sin_ptr, T,      # [T, D] fp32 (T = 0: no RoPE tables)
+        MBD, MBQ, MBC, MBK, MBV, PAGE, S, GH, scaling,
+        H: tl.constexpr,          # query rows a stream
+        HC: tl.constexpr,         # query rows a program takes (a power of two, 8 at most)
+        HP: tl.constexpr,         # the partials' rows a stream: H rounded up to a multiple of HC
+        D: tl.constexpr,
+        R: tl.constexpr,          # dense rows a page
+        M: tl.constexpr,          # coded rows a page
+        E: tl.constexpr,          # entries an entry page
+        TQ: tl.constexpr,         # rows of a tile (quant, coded, dense; TQ <= R, a power of two)
+    ):
+        sid = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        hh = tl.program_id(2) * HC + tl.arange(0, HC)         # this program's query rows
+        d = tl.arange(0, D)
+        tt = tl.arange(0, TQ)
+        hmask = hh < H
+        q = tl.load(q_ptr + (sid * H + hh[:, None]) * D + d[None, :], mask=hmask[:, None], other=0.0) * scaling
+        m_i = tl.full([HC], float("-inf"), tl.float32)
+        l_i = tl.zeros([HC], tl.float32)
+        acc = tl.zeros([HC, D], tl.float32)
+        half_ptr = arena_ptr.to(tl.pointer_type(tl.float16))
+        word_ptr = arena_ptr.to(tl.pointer_type(tl.int32))
+
+        # quant pages of the stream's form: this split's share of them, in tiles of TQ rows
+        form = tl.load(qf_ptr + sid)
+        pages = tl.where(form > 0, tl.load(qn_ptr + sid), 0)
+        bits = tl.maximum(tl.load(form_ptr + form * 4), 1)
+        g = tl.maximum(tl.load(form_ptr + form * 4 + 1), 1)
+        kg = tl.maximum(tl.load(form_ptr + form * 4 + 2), 1)
+        gv = tl.maximum(tl.load(form_ptr + form * 4 + 3), 1)
+        per = 8 // bits
+        levels = (1 << bits) - 1
+        cst = g * bits // 8                                   # a channel's code bytes
+        off_ks = D * cst
+        off_kz = off_ks + (g // kg) * D * 2
+        off_vc = off_kz + (g // kg) * D * 2
+        off_vs = off_vc + g * (D * bits // 8)
+        off_vz = off_vs + g * (D // gv) * 2
+        skip = tl.load(xp_ptr + sid).to(tl.int64)
+        tiles = (g + TQ - 1) // TQ
+        share = (pages + S - 1) // S
+        p0 = split * share
+        p1 = tl.minimum(pages, p0 + share)
+        for it in range(p0 * tiles, p1 * tiles):
+            j = it // tiles
+            t = (it % tiles) * TQ + tt                        # rows of the page
+            valid = t < g
+            base = tl.load(qt_ptr + sid * MBQ + j).to(tl.int64) * PAGE
+            kbyte = tl.load(arena_ptr + base + d[None, :] * cst + t[:, None] // per, mask=valid[:, None],
+                            other=0).to(tl.int32)
+            kcode = (kbyte >> ((t[:, None] % per) * bits)) & levels
+            grp = (t // kg)[:, None] * D + d[None, :]          # the row's key group, per channel
+            ks = tl.load(half_ptr + (base + off_ks) // 2 + grp, mask=valid[:, None], other=0.0).to(tl.float32)
+            kz = tl.load(half_ptr + (base + off_kz) // 2 + grp, mask=valid[:, None], other=0.0).to(tl.float32)
+            k = kcode.to(tl.float32) * ks + kz                                              # [TQ, D]
+            vbyte = tl.load(arena_ptr + base + off_vc + t[:, None] * (D * bits // 8) + d[None, :] // per,
+                            mask=valid[:, None], other=0).to(tl.int32)
+            vcode = (vbyte >> ((d[None, :] % per) * bits)) & levels
+            run = t[:, None] * (D // gv) + d[None, :] // gv
+            vs = tl.load(half_ptr + (base + off_vs) // 2 + run, mask=valid[:, None], other=0.0).to(tl.float32)
+            vz = tl.load(half_ptr + (base + off_vz) // 2 + run, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = vcode.to(tl.float32) * vs + vz                                              # [TQ, D]
+            r = j * g + t                                     # the stream's quant row
+            xmask = valid & ((r * 0 + skip) >= 0)             # [TQ] (a scalar's compare broadcast first)
+            xbyte = tl.load(arena_ptr + tl.maximum(skip, 0) * PAGE + r // 8, mask=xmask, other=0).to(tl.int32)
+            keep = valid & (((xbyte >> (r % 8)) & 1) == 0)
+            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                              # [HC, TQ]
+            sc = tl.where(keep[None, :], sc, float("-inf"))
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, v)
+
+        # coded rows: this split's share of them, in tiles of TQ rows
+        rows = tl.load(cn_ptr + sid)
+        cshare = ((rows + S - 1) // S + TQ - 1) // TQ * TQ
+        r0 = split * cshare
+        r1 = tl.minimum(rows, r0 + cshare)
+        half = (d + D // 2) % D                               # rotate_half's source channel
+        for r in range(r0, r1, TQ):
+            rr = r + tt
+            valid = rr < r1
+            fb = tl.load(ct_ptr + sid * MBC + rr // M, mask=valid, other=0).to(tl.int64) * PAGE
+            slot = rr % M
+            ref_k = tl.load(word_ptr + fb // 4 + slot, mask=valid, other=-1)
+            ref_v = tl.load(word_ptr + fb // 4 + M + slot, mask=valid, other=0)
+            pos = tl.load(word_ptr + fb // 4 + 2 * M + slot, mask=valid, other=-1)
+            mag_k = tl.load(half_ptr + fb // 2 + 6 * M + slot, mask=valid, other=0.0).to(tl.float32)
+            mag_v = tl.load(half_ptr + fb // 2 + 7 * M + slot, mask=valid, other=0.0).to(tl.float32)
+            heads = tl.load(arena_ptr + fb + 16 * M + slot, mask=valid, other=0).to(tl.int32)
+            live = valid & (ref_k >= 0)
+            ref_k = tl.maximum(ref_k, 0)
+            ref_v = tl.maximum(ref_v, 0)
+            kp = tl.load(ekt_ptr + sid * MBK + ref_k // E, mask=live, other=0).to(tl.int64)
+            krow = kp * (PAGE // 2) + (ref_k % E) * D                                        # in fp16 elements
+            x = tl.load(half_ptr + krow[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            xr = tl.load(half_ptr + krow[:, None] + half[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            xr = tl.where(d[None, :] < D // 2, -xr, xr)
+            turned = live & (pos >= 0) & (pos < T)
+            at = tl.where(turned, pos, 0).to(tl.int64)[:, None] * D + d[None, :]
+            cs = tl.load(cos_ptr + at, mask=turned[:, None], other=1.0)
+            sn = tl.load(sin_ptr + at, mask=turned[:, None], other=0.0)
+            k = (x * cs + xr * sn) * mag_k[:, None]                                          # [TQ, D]
+            vp = tl.load(evt_ptr + sid * MBV + ref_v // E, mask=live, other=0).to(tl.int64)
+            v = tl.load(half_ptr + vp[:, None] * (PAGE // 2) + (ref_v % E)[:, None] * D + d[None, :],
+                        mask=live[:, None], other=0.0).to(tl.float32) * mag_v[:, None]
+            seen = ((heads[None, :] >> (hh[:, None] % GH)) & 1) != 0                         # [HC, TQ]
+            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            sc = tl.where(live[None, :] & seen, sc, float("-inf"))
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, v)
+
+        # dense rows [start, end): this split's share of the pages, in tiles of TQ rows
+        start = tl.load(ds_ptr + sid)
+        end = tl.load(de_ptr + sid)
+        b0 = start // R
+        b1 = tl.where(end > start, (end + R - 1) // R, b0)
+        dshare = (b1 - b0 + S - 1) // S
+        q0 = b0 + split * dshare
+        q1 = tl.minimum(b1, q0 + dshare)
+        for it in range(q0 * (R // TQ), q1 * (R // TQ)):
+            blk = it // (R // TQ)
+            t = (it % (R // TQ)) * TQ + tt                    # rows of the page
+            row = blk * R + t
+            valid = (row >= start) & (row < end)
+            first = tl.load(dt_ptr + sid * MBD + blk).to(tl.int64) * (PAGE // 2)            # in fp16 elements
+            k = tl.load(half_ptr + first + t[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(half_ptr + first + (R + t[:, None]) * D + d[None, :], mask=valid[:, None],
+                        other=0.0).to(tl.float32)
+            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_i, l_i, acc = _online(m_i, l_i, acc, sc, v)
+
+        o = sid * S + split
+        tl.store(m_ptr + o * HP + hh, m_i)
+        tl.store(l_ptr + o * HP + hh, l_i)
+        tl.store(acc_ptr + (o * HP + hh[:, None]) * D + d[None, :], acc)
+
+    @triton.jit
+    def _paged_decode_merge(
+        m_ptr, l_ptr, acc_ptr,    # partials [G, S, HP], [G, S, HP], [G, S, HP, D] fp32
+        out_ptr, lse_ptr,         # [G, H, D], [G, H] fp32
+        S,
+        H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+        SP: tl.constexpr,         # S rounded up to a power of two
+    ):
+        sid = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        sp = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        at = (sid * S + sp) * HP + j
+        live = sp < S
+        m = tl.load(m_ptr + at, mask=live, other=float("-inf"))
+        l_s = tl.load(l_ptr + at, mask=live, other=0.0)
+        a = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0)     # [SP, D]
+        top = tl.max(m, axis=0)
+        top_use = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m - top_use)
+        total = tl.sum(w * l_s, axis=0)
+        o = tl.sum(w[:, None] * a, axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + (sid * H + j) * D + d, o)
+        tl.store(lse_ptr + sid * H + j, tl.where(total > 0, top_use + tl.log(total), float("-inf")))
+
+
+def paged_decode_triton(q, arena, dtable, dstart, dend, qtable, qn, qform, ctable, cn, ektable, evtable, xpage,
+                        layout: Layout, scaling: float, rope=None, group_heads: int | None = None,
+                        splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernels (CUDA, or anywhere under TRITON_INTERPRET=1): `paged_decode`'s arguments,
+    every table on the arena's device -> out [G, h, D] fp32, lse [G, h] fp32. splits: the splits of
+    each stream (default `triton_splits`, from the table widths). A coded key stored pre-RoPE is
+    read unturned when rope is None (the reference refuses it)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    d = layout.head_dim
+    if layout.itemsize != 2 or d & (d - 1) or d < 2:
+        raise ValueError("the Triton paged kernel needs fp16 rows and a power-of-two head dim")
+    g, h, _ = q.shape
+    hn = int(group_heads or h)
+    if not 1 <= hn <= 8:
+        raise ValueError(f"group_heads must be 1..8 (a byte of heads a coded row), got {hn}")
+    dev = arena.device
+    out = torch.empty(g, h, d, dtype=torch.float32, device=dev)
+    lse = torch.empty(g, h, dtype=torch.float32, device=dev)
+    if g == 0 or h == 0:
+        return out, lse
+    q = q.to(device=dev, dtype=torch.float32).contiguous()
+    t = [x.contiguous() for x in (dtable, dstart, dend, qtable, qn, qform, ctable, cn, ektable, evtable, xpage)]
+    forms, cos, sin, rows = _constants(layout, dev, rope)
+    s = int(splits or triton_splits(t[0], t[3], t[6]))
+    hc = min(pow2_at_least(h), ROW_CHUNK)
+    chunks = -(-h // hc)
+    hp = chunks * hc
+    tile = min(layout.rows, max(8, 8192 // (hc * d)))            # a tile's [HC, TQ, D] products: 8k at most
+    m = torch.empty(g, s, hp, dtype=torch.float32, device=dev)
+    l_s = torch.empty(g, s, hp, dtype=torch.float32, device=dev)
+    acc = torch.empty(g, s, hp, d, dtype=torch.float32, device=dev)
+    _paged_decode_split[(g, s, chunks)](
+        q, arena, m, l_s, acc, *t, forms, cos, sin, rows,
+        t[0].shape[1], t[3].shape[1], t[6].shape[1], t[8].shape[1], t[9].shape[1], layout.page_bytes, s, hn,
+        float(scaling), H=h, HC=hc, HP=hp, D=d, R=layout.rows, M=layout.coded_rows, E=layout.entry_rows, TQ=tile)
+    _paged_decode_merge[(g, h)](m, l_s, acc, out, lse, s, H=h, HP=hp, D=d, SP=pow2_at_least(s))
+    return out, lse
+
+
+if HAS_TRITON:
+    _kernels.paged_decode_triton = staticmethod(paged_decode_triton)
