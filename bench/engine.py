@@ -11,7 +11,7 @@ the job alone, `auto` from the statistics its own prefill gathers (`kvcore.stati
 Reported per strategy, ratios against `full` of the same run: decode tokens/s (tokens of the
 steps that only decode over their seconds, as `bench.serve`), end-to-end output tokens/s, TTFT
 p50/p99, the decode step's mean seconds, most sequences decoding at once, the pool's peak bytes
-against the budget (`KVPool.peak_bytes`: blocks in use), the reserve ratio measured, and the
+against the budget (`KVPool.peak_bytes`: pages in use), the reserve ratio measured, and the
 answers right (the quality bench's cases; with `--synthetic`, random token ids and no answers:
 a speed run, e.g. on a device with random weights of the same shape). Runs on whatever device
 KVPLAN_DEVICE names. Writes <out>/engine.json and prints a markdown table."""
@@ -83,7 +83,7 @@ def run_strategy(lm, args, strategy: str, budget: int, prompts: list[tuple[Promp
     engine.add(warm)
     engine.run_all()                                           # one-off costs (kernel builds, first allocations)
     engine.stats = type(engine.stats)()
-    engine.runner.pool.peak_bytes = 0
+    engine.runner.pool.peak_pages = engine.runner.pool.used_pages
     t0 = time.perf_counter()
     for seq in seqs:
         engine.add(seq)

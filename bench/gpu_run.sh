@@ -17,12 +17,12 @@ export KVPLAN_MODEL=/tmp/rmodel KVPLAN_DEVICE=cuda KVPLAN_COMPUTE_DTYPE=bfloat16
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 stage() { local t=$1; shift; echo "== $*"; timeout "$t" "$@" 2>&1 | grep -v Warning | tail -${TAIL:-25}; }
 if [ -z "${SKIP_TESTS:-}" ]; then
-  TAIL=40 stage 150 python3 -m pytest --noconftest -p no:cacheprovider -q -rs -x tests/kernels/test_paged_decode.py \
-    tests/kernels/test_decoder_ops_triton.py tests/kernels/test_paged_prefill.py -k "cuda or graph or hopper"
-  stage 70 python3 -m bench.gpu_kernels --out "$OUT/kernels"
+  TAIL=12 stage ${TESTS_S:-60} python3 -m pytest --noconftest -p no:cacheprovider -q -rs tests/kernels/test_paged_decode.py \
+    tests/kernels/test_decoder_ops_triton.py tests/kernels/test_paged_prefill.py -k "cuda"
 fi
-stage 150 python3 -m bench.gpu_check --out "$OUT/check"
-stage 120 python3 -m bench.gpu_step --out "$OUT/step"
+[ -n "${KERNEL_BENCH:-}" ] && stage 70 python3 -m bench.gpu_kernels --out "$OUT/kernels"
+TAIL=14 stage ${CHECK_S:-60} python3 -m bench.gpu_check --length 400 --new-tokens 8 --out "$OUT/check"
+TAIL=10 stage ${STEP_S:-60} python3 -m bench.gpu_step --steps 20 --out "$OUT/step"
 stage ${ENGINE_S:-200} python3 -m bench.engine --synthetic --strategies ${STRATS:-full snapkv auto} \
   --budget-jobs ${JOBS:-4} --out "$OUT/engine"
 [ -n "${PEER:-}" ] && stage ${PEER_S:-150} python3 .gpu/hf_peer.py --model /tmp/rmodel --budget-jobs ${JOBS:-4} \

@@ -258,10 +258,10 @@ _DEVICE_CONSTANTS: dict = {}
 
 
 def triton_splits(dtable: torch.Tensor, qtable: torch.Tensor, ctable: torch.Tensor) -> int:
-    """Splits of every stream: the widest stream's pages (every page the same bytes, so the same
-    work whatever its form) over SPLIT_PAGES, from the tables' widths [G, MB] alone."""
-    pages = dtable.shape[1] + qtable.shape[1] + ctable.shape[1]
-    return max(1, min(MAX_SPLITS, -(-pages // SPLIT_PAGES)))
+    """Splits of every stream, from the tables' widths [G, MB] alone: enough for the widest part
+    at SPLIT_PAGES pages a split. A split's share of a stream is fixed (its s-th run of SPLIT_PAGES
+    pages of each part), so a stream's result does not depend on what else is in the call."""
+    return max(1, min(MAX_SPLITS, max(-(-t.shape[1] // SPLIT_PAGES) for t in (dtable, qtable, ctable))))
 
 
 def _constants(layout: Layout, device: torch.device, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -312,6 +312,7 @@ if HAS_TRITON:
         M: tl.constexpr,          # coded rows a page
         E: tl.constexpr,          # entries an entry page
         TQ: tl.constexpr,         # rows of a tile (quant, coded, dense; TQ <= R, a power of two)
+        SP: tl.constexpr,         # pages a split takes (SPLIT_PAGES; coded: SP pages' worth of coded rows)
     ):
         sid = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -343,7 +344,7 @@ if HAS_TRITON:
         off_vz = off_vs + g * (D // gv) * 2
         skip = tl.load(xp_ptr + sid).to(tl.int64)
         tiles = (g + TQ - 1) // TQ
-        share = (pages + S - 1) // S
+        share = tl.maximum(SP, (pages + S - 1) // S)          # SPLIT_PAGES, unless the widest part passes the grid
         p0 = split * share
         p1 = tl.minimum(pages, p0 + share)
         for it in range(p0 * tiles, p1 * tiles):
@@ -375,7 +376,7 @@ if HAS_TRITON:
 
         # coded rows: this split's share of them, in tiles of TQ rows
         rows = tl.load(cn_ptr + sid)
-        cshare = ((rows + S - 1) // S + TQ - 1) // TQ * TQ
+        cshare = tl.maximum(SP * M, ((rows + S - 1) // S + TQ - 1) // TQ * TQ)
         r0 = split * cshare
         r1 = tl.minimum(rows, r0 + cshare)
         half = (d + D // 2) % D                               # rotate_half's source channel
@@ -416,7 +417,7 @@ if HAS_TRITON:
         end = tl.load(de_ptr + sid)
         b0 = start // R
         b1 = tl.where(end > start, (end + R - 1) // R, b0)
-        dshare = (b1 - b0 + S - 1) // S
+        dshare = tl.maximum(SP, (b1 - b0 + S - 1) // S)
         q0 = b0 + split * dshare
         q1 = tl.minimum(b1, q0 + dshare)
         for it in range(q0 * (R // TQ), q1 * (R // TQ)):
@@ -498,7 +499,7 @@ def paged_decode_triton(q, arena, dtable, dstart, dend, qtable, qn, qform, ctabl
     _paged_decode_split[(g, s, chunks)](
         q, arena, m, l_s, acc, *t, forms, cos, sin, rows,
         t[0].shape[1], t[3].shape[1], t[6].shape[1], t[8].shape[1], t[9].shape[1], layout.page_bytes, s, hn,
-        float(scaling), H=h, HC=hc, HP=hp, D=d, R=layout.rows, M=layout.coded_rows, E=layout.entry_rows, TQ=tile)
+        float(scaling), H=h, HC=hc, HP=hp, D=d, R=layout.rows, M=layout.coded_rows, E=layout.entry_rows, TQ=tile, SP=SPLIT_PAGES)
     _paged_decode_merge[(g, h)](m, l_s, acc, out, lse, s, H=h, HP=hp, D=d, SP=pow2_at_least(s))
     return out, lse
 

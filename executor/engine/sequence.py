@@ -55,9 +55,9 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False          # generate max_new_tokens whatever the model says (benchmarks)
-    forced: tuple[int, ...] = ()      # the tokens taken instead of the sampled ones (teacher forcing: benches)
     stop: tuple[str, ...] = ()        # stop sequences: the text ends before the first one generated
     logprobs: int | None = None       # set: each token's log-probability and this many top tokens'
+    forced: tuple[int, ...] = ()      # the tokens taken instead of the sampled ones (teacher forcing: benches)
 
 
 @dataclass(frozen=True)
