@@ -33,6 +33,7 @@ from kvplan import openai_api as api
 from kvplan.config import HttpConfig, ModelConfig, from_env
 from kvplan.http_guard import Guard
 from kvplan.http_jobs import HttpJobs
+from kvplan.http_protocol import Protocol
 from kvplan.openai_errors import ApiError
 
 log = logging.getLogger("kvplan.gateway")
@@ -49,7 +50,8 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
 
     app = FastAPI(title="kvplan", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
-    app.add_middleware(Guard, max_body_bytes=cfg.max_body_bytes)      # 413 before a body is read; metrics
+    app.add_middleware(Guard, max_body_bytes=cfg.max_body_bytes, drain_bytes=cfg.drain_bytes,
+                       router=app.router)                         # 413 before a body is parsed; metrics
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -58,8 +60,12 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":          # its loc is a byte offset, not a field
+            at = [x for x in err.get("loc", ()) if isinstance(x, int)]
+            where = f" (at character {at[0]})" if at else ""
+            return JSONResponse(ApiError(400, f"the body is not valid JSON{where}: {err.get('msg')}",
+                                         code="invalid_json").body(), status_code=400)
+        param = api.field_path(x for x in err.get("loc", ()) if x != "body") or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return JSONResponse(ApiError(400, message, param=param, code="invalid_value").body(), status_code=400)
 
@@ -88,7 +94,8 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "executor unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        await gw.authenticate(request)                 # a key, as every /v1 route asks
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": 0,
                                              "owned_by": "kvplan"}]}
 
@@ -118,6 +125,6 @@ def run(cfg: HttpConfig | None = None) -> int:
     app = create_app(cfg, cfg.model_name(from_env(ModelConfig)))
     log.info("HTTP API on http://%s:%d/v1 over the executor at %s", cfg.host, cfg.port, cfg.executor_addr)
     # uvicorn binds with SO_REUSEADDR: the port is free again at once after `kvplan down`
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), http=Protocol,
                 timeout_graceful_shutdown=int(cfg.grace_s), access_log=False)
     return 0

@@ -35,11 +35,30 @@ TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 REATTACH = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 REATTACH_TRIES = 6              # re-attaches of one broken stream (0.5 s, 1 s, 2 s, 4 s, 5 s, 5 s apart)
 REPLAY = pb.JobEvent()          # `_events`' marker: the job's events start again (a re-attach)
+MAX_KEY_CHARS = 512             # an API key's length (kvplan's own are 47 characters)
 
 
-def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+def metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The request's `Authorization: Bearer <key>` as the gRPC metadata the executor checks. 401
+    in OpenAI's shape for a header that is no Bearer key of 1 to MAX_KEY_CHARS visible ASCII
+    characters: gRPC refuses other bytes in metadata (`Bearer a b\tc` was a 500 "Invalid
+    metadata") and metadata over its limit (a 60 KB key was 413 with gRPC's text)."""
     auth = request.headers.get("authorization")
-    return (("authorization", auth),) if auth else ()
+    if auth is None:
+        return ()
+    scheme, _, key = auth.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        raise _unauthorized("Authorization: must be `Bearer <API key>`")
+    if not 1 <= len(key) <= MAX_KEY_CHARS:
+        raise _unauthorized(f"Authorization: the API key must be 1 to {MAX_KEY_CHARS} characters, got {len(key)}")
+    if not all("!" <= c <= "~" for c in key):
+        raise _unauthorized("Authorization: the API key must be visible ASCII characters (no spaces, tabs or "
+                            "control characters)")
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _sse(obj) -> bytes:
@@ -75,6 +94,17 @@ class HttpJobs:
     async def healthy(self) -> bool:
         return await self.pool.healthy()
 
+    async def authenticate(self, request: Request) -> None:
+        """The request's key is one the executors take (401 if not), for a route that starts no
+        job (`/v1/models`): a `GetJob` of no job, which the executor's key check answers first —
+        UNAUTHENTICATED for a bad key, else INVALID_ARGUMENT for the empty job id."""
+        md = metadata(request)
+        try:
+            await self.pool.stubs[self.pool.next()].GetJob(pb.JobRef(job_id=""), metadata=md, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise from_grpc(e) from None
+
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
             raise ApiError(404, f"The model {printable(model)} does not exist; this server serves "
@@ -90,7 +120,7 @@ class HttpJobs:
     async def answer(self, request: Request, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
         """Start the job (its errors are this request's HTTP error), then answer in one JSON body
         or as an SSE stream; a client that goes away cancels its job, streaming or not."""
-        job, first = await self._start(req, _metadata(request))
+        job, first = await self._start(req, metadata(request))
         shape = api.Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
         if body.stream:
             return StreamingResponse(self._stream(job, first, shape, body.include_usage),

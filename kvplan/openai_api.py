@@ -47,6 +47,14 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 LOGPROB_FLOOR = -9999.0         # a log-probability of -inf as JSON can write it (vLLM's floor)
 
 
+def field_path(loc) -> str:
+    """A field's path from its parts: `messages[0].role` (pydantic's loc ("messages", 0, "role"))."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
 def check_utf8(value: Any, path: str) -> None:
     """Every string in `value` (a JSON body, walked) is valid UTF-8: a lone surrogate (`"\\ud800"`)
     decodes from JSON into text no UTF-8 encoder takes. 400 naming the first one's path."""
