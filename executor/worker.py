@@ -26,7 +26,7 @@ from executor import validation
 from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
 from executor.engine.result import run_result
 from executor.job_backend import PATIENCE, Claim, JobBackend, QueueUnavailable
-from executor.metrics import JOBS, QUEUE_DEPTH, observe_finished, observe_usage
+from executor.metrics import JOBS, QUEUE_DEPTH, REFUSED, observe_finished, observe_usage
 from executor.planner_client import PlanOutcome, PlannerClient
 from executor.report import job_result, token_logprobs
 from kvcore import statistics
@@ -218,7 +218,7 @@ class Worker:
         prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question, checked.raw)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
         sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed, req.ignore_eos,
-                            checked.stop, checked.top_logprobs)
+                            checked.stop, checked.top_logprobs, checked.min_tokens)
         job.plan_call = functools.partial(self.planner.plan, job_id, req.tenant, req.strategy, req.budget, req.profile,
                                           len(prompt.context_ids), lm, suffix_tokens=len(prompt.question_ids),
                                           new_tokens=checked.max_new_tokens)
@@ -442,8 +442,12 @@ class Worker:
         else:
             await self.backend.set_status(job.claim.job_id, status.SerializeToString())
         await self.backend.finish(job.claim, self.cfg.job_ttl_s)
-        strategy = status.result.strategy or (job.outcome.plan.strategy if job.outcome else "")
-        JOBS.labels(pb.JobState.Name(state), strategy, str(status.result.degraded).lower()).inc()
+        if state == pb.FAILED and status.error_field:           # bad input found once queued: a refusal
+            REFUSED.labels(status.error_field).inc()
+        else:
+            strategy = status.result.strategy or (job.outcome.plan.strategy if job.outcome else "") or \
+                (job.request.strategy if job.request is not None else "")
+            JOBS.labels(pb.JobState.Name(state), strategy, str(status.result.degraded).lower()).inc()
         log.info("job %s: %s%s", job.claim.job_id, pb.JobState.Name(state), f" ({status.error})" if status.error else "")
 
 

@@ -20,9 +20,11 @@ and vLLM's completions take it. `stop` sequences end the text before the first o
 logprob, bytes, top_logprobs}]}` (`logprobs: true`, `top_logprobs: k`), completions'
 `{tokens, token_logprobs, top_logprobs, text_offset}` (`logprobs: k`), streamed with each chunk's
 tokens. Unset `temperature` is greedy (kvplan's default), and a sampled request without a `seed`
-gets one, so a job re-run on another executor replays the same text. What kvplan cannot do is
-refused with 400 naming the parameter, never ignored: `n` > 1, `response_format` other than
-text, `logit_bias`, `best_of`, penalties, tools, `echo`, `suffix`.
+gets one, so a job re-run on another executor replays the same text. vLLM's and SGLang's
+`ignore_eos` and `min_tokens` are honoured. What kvplan cannot do is refused with 400 naming the
+parameter, never ignored: `n` > 1, `response_format` other than text, and every field of
+`kvplan.openai_fields` at a value that asks for something (penalties, `logit_bias`, tools, `top_k`,
+...); a field nobody knows is refused by name.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from executor.validation import MAX_TOP_LOGPROBS, check_stops
 from kvcore.request import InvalidRequest
 from kvplan.openai_errors import bad
+from kvplan.openai_fields import check_extra
 from protos import common_pb2, executor_pb2
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
@@ -78,9 +81,9 @@ def _in_range(param: str, value: int | None, lo: int, hi: int) -> None:
 
 
 class RequestBody(BaseModel):
-    # OpenAI clients send fields kvplan does not use (user, metadata, ...): accepted, except
-    # misspelt kvplan fields (kv_*), which would otherwise be silently ignored. Strict types:
-    # JSON's own (a number is not "0.5", a boolean is not a number), as OpenAI's API checks them.
+    # Strict types: JSON's own (a number is not "0.5", a boolean is not a number), as OpenAI's API
+    # checks them. Fields not modelled here are checked by `kvplan.openai_fields`: taken when they
+    # change nothing, else refused by name.
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = ""
@@ -92,10 +95,9 @@ class RequestBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
+    ignore_eos: bool = False                       # vLLM's and SGLang's: generate max_tokens whatever the model says
+    min_tokens: int | None = None                  # vLLM's and SGLang's: no end-of-text token before this many
     kv_strategy: str = ""
     kv_ratio: float | None = None
     kv_tokens: int | None = None
@@ -121,8 +123,6 @@ class _Message(BaseModel):
 class ChatBody(RequestBody):
     messages: list[_Message]
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
     logprobs: bool | None = None
     top_logprobs_: int | None = Field(None, alias="top_logprobs")
 
@@ -135,9 +135,6 @@ class ChatBody(RequestBody):
 
 class CompletionBody(RequestBody):
     prompt: str | list[str]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
     logprobs: int | None = None
 
     @property
@@ -157,30 +154,14 @@ def _text(content, i: int) -> str:
 
 
 def _unsupported(body: RequestBody) -> None:
-    for name in body.model_extra or {}:
-        if name.startswith("kv_"):
-            raise bad(name, f"unknown kvplan field (known: {', '.join(KV_FIELDS)})")
+    check_extra(body.model_extra or {}, KV_FIELDS)
     if body.n != 1:
         raise bad("n", f"only 1 choice per request is supported, got {body.n} (send {body.n} requests, "
                        "each with its own seed)")
-    if getattr(body, "best_of", None) not in (None, 1):
-        raise bad("best_of", f"only 1 is supported, got {body.best_of}")
     fmt = body.response_format
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", f"only {{\"type\": \"text\"}} is supported (no JSON mode, no JSON schema), "
                                      f"got type {str(fmt.get('type'))[:40]!r}")
-    if body.logit_bias:
-        raise bad("logit_bias", "logit_bias is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise bad(name, "penalties are not supported")
-    for name in ("tools", "functions"):
-        if getattr(body, name, None):
-            raise bad(name, f"{name} are not supported")
-    if getattr(body, "echo", False):
-        raise bad("echo", "echo is not supported")
-    if getattr(body, "suffix", None):
-        raise bad("suffix", "suffix is not supported")
 
 
 def _budget(body: RequestBody) -> common_pb2.Budget:
@@ -232,8 +213,10 @@ def _request(body: RequestBody, max_tokens: int | None, param: str = "max_tokens
         raise bad("top_p", f"must be in (0, 1], got {body.top_p:g}")
     if body.seed is not None and not 0 <= body.seed < 2 ** 64:
         raise bad("seed", f"must be in [0, 2^64), got {body.seed}")
+    _in_range("min_tokens", body.min_tokens, 0, max_tokens if max_tokens is not None else INT32_MAX)
     req = executor_pb2.GenerateRequest(question=body.kv_question, temperature=body.temperature or 0.0,
-                                       strategy=body.kv_strategy, budget=_budget(body), stop=_stops(body.stop))
+                                       strategy=body.kv_strategy, budget=_budget(body), stop=_stops(body.stop),
+                                       ignore_eos=body.ignore_eos, min_tokens=body.min_tokens or 0)
     k = body.top_logprobs
     if k is not None:
         _in_range("top_logprobs" if isinstance(body, ChatBody) else "logprobs", k, 0, MAX_TOP_LOGPROBS)

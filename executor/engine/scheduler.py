@@ -148,7 +148,7 @@ class Scheduler:
         return done
 
     def _take(self, seq: Sequence, tok: int, logprob: tuple | None = None) -> None:
-        if tok in self.stop_ids and not seq.sampling.ignore_eos:
+        if tok in self.stop_ids and not seq.sampling.ignore_eos and len(seq.generated) >= seq.sampling.min_tokens:
             seq.finish("eos")
             return
         seq.append(tok, logprob)

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from kvplan.auth import Gate
+from kvplan.keyfile import KeyRing, add_key
 from tests.kvplan.conftest import http_gateway
 from tests.kvplan.fake_executor import FakeExecutor, events, result
 
@@ -206,3 +208,35 @@ def test_a_huge_model_name_is_not_echoed_back_whole(fake):
 def test_unknown_routes_and_methods_answer_in_openais_shape(fake):
     _error(httpx.get(f"{fake.url}/v1/nothing-here"), 404, None)
     _error(httpx.get(f"{fake.url}/v1/chat/completions"), 405, None)
+
+
+MALFORMED_KEYS = [b"Bearer a b\tc", b"Bearer " + b"k" * (60 << 10), b"Basic dXNlcjpwYXNz", b"Bearer", b"Bearer  ",
+                  b"Bearer k\x01ey", "Bearer cl\u00e9".encode("latin-1")]
+
+
+@pytest.mark.parametrize("header", MALFORMED_KEYS, ids=["spaces-and-tab", "60KB", "basic", "no-key", "blank",
+                                                        "control", "latin-1"])
+def test_a_malformed_key_is_401_in_openais_shape_and_never_sent_on(fake, header):
+    """`Bearer a b\tc` was a 500 ("Invalid metadata", gRPC's refusal of the bytes); a 60 KB key a
+    413 with gRPC's text."""
+    body = json.dumps({"model": MODEL, "messages": HI}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: " + header + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+    got = _raw(fake.url, head + body)
+    assert got.startswith(b"HTTP/1.1 401 "), got[:200]
+    err = json.loads(got.partition(b"\r\n\r\n")[2])["error"]
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key", err
+    assert err["message"].startswith("Authorization: ") and len(err["message"]) < 200
+
+
+def test_the_model_list_needs_a_key_the_executor_takes(tmp_path):
+    keys = tmp_path / "keys.json"
+    key = add_key(keys, "acme", "user")
+    with FakeExecutor(interceptors=[Gate(KeyRing(keys))]) as fx, http_gateway(fx.address, MODEL) as url:
+        for headers, status in (({}, 401), ({"Authorization": "Bearer kvp_not-a-key"}, 401),
+                                ({"Authorization": f"Bearer {key}"}, 200)):
+            r = httpx.get(f"{url}/v1/models", headers=headers)
+            assert r.status_code == status, r.text
+        assert r.json()["data"][0]["id"] == MODEL
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="kvp_wrong", max_retries=0).models.list()
