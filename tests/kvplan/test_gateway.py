@@ -132,6 +132,54 @@ def test_a_budget_the_strategy_cannot_hold_is_400_with_the_ratio_that_fits(real_
     assert "keeps at least 32" in err["message"] and " fits" in err["message"]
 
 
+def _counted(name: str, **labels) -> float:
+    """A counter of the in-process executor, summed over the series with `labels`."""
+    from prometheus_client import REGISTRY
+    return sum(x.value for m in REGISTRY.collect() for x in m.samples
+               if x.name == name and all(x.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_budget_refused_in_a_stream_is_bad_request_before_any_chunk(real_api):
+    """docs/http-api.md's streaming example with a budget the plan cannot hold: a 200, a role chunk
+    and a bare APIError mid-stream before (issue 41); the refusal counted as one, not as FAILED."""
+    refused, failed = _counted("kvplan_executor_jobs_refused_total"), _counted("kvplan_executor_jobs_total",
+                                                                              state="FAILED")
+    with pytest.raises(openai.BadRequestError) as e:
+        _openai(real_api).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name three colours of the rainbow."}], max_tokens=8,
+            stream=True, extra_body={"kv_strategy": "snapkv", "kv_ratio": 0.3})
+    assert e.value.body["param"] == "kv_ratio" and " fits" in e.value.body["message"]
+    assert _counted("kvplan_executor_jobs_refused_total", field="budget.reserve_ratio") >= 1
+    assert _counted("kvplan_executor_jobs_refused_total") == refused + 1
+    assert _counted("kvplan_executor_jobs_total", state="FAILED") == failed
+
+
+def test_the_first_chunk_comes_with_the_first_token(real_api, embedded):
+    """Judged by the job's own clock: its first token came at submitted_at + ttft_s; the first chunk
+    arrives after it (the role chunk used to come at once, before the prefill)."""
+    stream = _openai(real_api).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": DEMO_CONTEXT}], max_tokens=4, stream=True)
+    first_at, chunk = None, None
+    for chunk in stream:
+        first_at = first_at or time.time()
+    with ExecutorClient(embedded.executor_addr, 60) as c:
+        status = c.get(chunk.id.removeprefix("chatcmpl-"))
+    assert status.state == pb.DONE and status.result.ttft_s > 0
+    assert first_at >= status.submitted_at + status.result.ttft_s
+
+
+def test_ignore_eos_and_min_tokens_decide_how_many_tokens_come(real_api):
+    client = _openai(real_api)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Reply with the single word OK."}], max_tokens=64)
+    free = client.chat.completions.create(**ask)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and n < 56                # the model ends it by itself
+    held = client.chat.completions.create(**ask, extra_body={"min_tokens": n + 8})
+    assert held.usage.completion_tokens >= n + 8
+    forced = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 64
+
+
 def test_curl_shows_server_sent_events(real_api):
     if shutil.which("curl") is None:
         pytest.fail("curl is not installed (apt-get install -y curl)")

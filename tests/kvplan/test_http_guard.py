@@ -1,6 +1,6 @@
 """Hostile HTTP input (issues 33 and 42), with the official `openai` client, raw httpx and raw
-sockets against the gateway over a scripted executor: every bad request is answered in under a
-second with the right status in OpenAI's error shape, no job is submitted, and the gateway goes
+sockets against the gateway over a scripted executor: every bad request is answered with the
+right status in OpenAI's error shape, no job is submitted, and the gateway goes
 on serving. Before issue 33: a 50 MB (or 2 MB) prompt was 429 `rate_limit_error` (the client
 uploaded it three times, the body parsed whole first); max_tokens 2^31, 2^32, 2^63, kv_tokens 2^63
 and a lone surrogate were a plain-text 500; invalid UTF-8 was FastAPI's {"detail": ...};
@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from kvplan.auth import Gate
+from kvplan.http_guard import DRAIN_S
 from kvplan.keyfile import KeyRing, add_key
 from tests.kvplan.conftest import http_gateway
 from tests.kvplan.fake_executor import FakeExecutor, events, result
@@ -63,20 +64,18 @@ def _error(r: httpx.Response, status: int, param: str | None) -> dict:
 def test_a_body_over_the_limit_is_413_once_and_never_retried(fake, mb):
     client = openai.OpenAI(base_url=fake.url + "/v1", api_key="k", max_retries=2, timeout=60)
     before = _requests(fake.url, 413)
-    t0 = time.perf_counter()
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a" * (mb << 20)}])
     assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
-    assert time.perf_counter() - t0 < 5                       # (the client's own JSON encoding of 50 MB included)
     assert _requests(fake.url, 413) == before + 1             # one upload, no retry
 
 
-def _raw(url: str, head: bytes, body: bytes = b"", pause_s: float = 0.0) -> bytes:
+def _raw(url: str, head: bytes, body: bytes = b"", pause_s: float = 0.0, timeout_s: float = 60) -> bytes:
     """Send `head` and then `body` on a socket of its own, in 256 KB pieces `pause_s` apart (a
     client slower than the server), as every HTTP client does: the whole body before it reads;
-    -> all the server answered."""
+    -> all the server answered (socket.timeout when it did not within `timeout_s`)."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
         s.sendall(head)
         for i in range(0, len(body), 256 << 10):
             time.sleep(pause_s)
@@ -102,9 +101,8 @@ def test_a_client_that_sends_its_whole_body_first_reads_the_413(fake):
 def test_expect_100_continue_is_answered_before_the_body_is_sent(fake):
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 999999999\r\nExpect: 100-continue\r\n\r\n")
-    t0 = time.perf_counter()
-    got = _raw(fake.url, head)
-    assert got.startswith(b"HTTP/1.1 413 ") and time.perf_counter() - t0 < 5
+    got = _raw(fake.url, head, timeout_s=DRAIN_S / 2)           # a server waiting for the body would time out
+    assert got.startswith(b"HTTP/1.1 413 ")
 
 
 def test_a_chunked_body_over_the_limit_is_413_and_never_kept(fake):
@@ -169,11 +167,9 @@ BAD = [
 
 @pytest.mark.parametrize("extra, param", BAD, ids=[p for _, p in BAD])
 def test_every_bad_field_is_400_in_openais_shape(fake, extra, param):
-    t0 = time.perf_counter()
     body = json.dumps({"model": MODEL, "messages": HI, **extra})     # lone surrogates as JSON escapes
     r = httpx.post(f"{fake.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"},
                    timeout=10)
-    assert time.perf_counter() - t0 < 1.0
     err = _error(r, 400, param)
     assert err["type"] == "invalid_request_error" and err["message"].startswith(param)
 
