@@ -8,7 +8,9 @@ engine, which runs every admitted job at once.
 
 A heartbeat per job keeps its claim alive and carries cancellation in; if another executor took
 the job over (this one was presumed dead) or this one is shutting down, the job stops and
-writes nothing, its queue entry left un-acked for a live executor to re-claim."""
+writes nothing, its queue entry left un-acked for a live executor to re-claim. While Redis is
+unreachable a running job goes on: the engine keeps stepping, its events wait in order in its
+queue, and its queue calls wait for Redis (docs/operations.md, Redis outages)."""
 from __future__ import annotations
 
 import asyncio
@@ -178,7 +180,18 @@ class Worker:
 
     # -- one job --------------------------------------------------------------------------------
     async def _start(self, claim: Claim) -> None:
+        # A job's own queue calls wait for an unreachable Redis to come back (the backend's patience),
+        # not the intake's few seconds this task was created with: its events queue up in order
+        # while the engine goes on stepping, and are written when Redis answers again. With the
+        # intake's patience a Redis outage of 5 s dropped every running job's run, and each was run
+        # again from its start (issue 42).
+        PATIENCE.set(None)
         job_id = claim.job_id
+        if job_id in self.jobs:
+            # this executor's own claim came back to it (XAUTOCLAIM): Redis was away longer than the
+            # lease while the job ran here; the run goes on, its heartbeat holds the claim again
+            log.info("job %s: re-claimed while it runs here (Redis was away past its lease); it goes on", job_id)
+            return
         raw_status, raw_req = await self.backend.status(job_id), await self.backend.request(job_id)
         if raw_status is None or raw_req is None:
             await self.backend.finish(claim, self.cfg.job_ttl_s)      # expired record: drop the entry
