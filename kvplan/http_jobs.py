@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -34,7 +35,10 @@ from protos import executor_pb2 as pb
 log = logging.getLogger("kvplan.gateway")
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 REATTACH = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-REATTACH_TRIES = 6              # re-attaches of one broken stream (0.5 s, 1 s, 2 s, 4 s, 5 s, 5 s apart)
+# A broken stream re-attaches (0.5 s, 1 s, 2 s, 4 s, then every 5 s) for this long: an executor's
+# start time on a busy CPU, as long as `kvplan up` waits for one (KVPLAN_START_TIMEOUT_S), so a
+# stream outlives its only executor's restart (six tries, 17.5 s, did not: issue 42).
+REATTACH_S = 180.0
 REPLAY = pb.JobEvent()          # `_events`' marker: the job's events start again (a re-attach)
 MAX_KEY_CHARS = 512             # an API key's length (kvplan's own are 47 characters)
 
@@ -180,12 +184,13 @@ class HttpJobs:
         executor answering it went away) re-attaches with WatchJob on another executor, which
         replays the job's events: REPLAY marks where they start again."""
         yield first
-        tries = 0
+        tries, broke = 0, 0.0
         while True:
             try:
                 ev = await job.call.read()
             except grpc.aio.AioRpcError as e:
-                if e.code() not in REATTACH or tries >= REATTACH_TRIES:
+                broke = broke or time.monotonic()
+                if e.code() not in REATTACH or time.monotonic() - broke > REATTACH_S:
                     raise from_grpc(e) from None
                 tries += 1
                 await asyncio.sleep(min(5.0, 0.25 * 2 ** tries))
@@ -198,7 +203,7 @@ class HttpJobs:
                 continue
             if ev is grpc.aio.EOF:
                 raise ApiError(502, f"job {job.job_id}: the executor's stream ended without a result")
-            tries = 0
+            tries, broke = 0, 0.0
             yield ev
             kind = ev.WhichOneof("kind")
             if kind == "result":
