@@ -12,7 +12,7 @@ declared larger than `drain_bytes` is answered at once (its client may see the r
 bounded can help it). A client that asked `Expect: 100-continue` is answered before it sends.
 
 **Metrics by template.** Requests are labelled by the route that matched (`/v1/chat/completions`),
-or `other` for a path no route knows: a bounded set. Labelled by the raw path, 300 GETs to
+or `other` for a path no route knows: a bounded set (`/metrics` and `/health` are not counted). Labelled by the raw path, 300 GETs to
 distinct 2 KB paths took `/metrics` from 4.7 KB to 14.3 MB (issue 42). A route that answers an
 error in a stream already started (a 200 on the wire) reports its real status with
 `report_status`, so the metrics count it as what it was.
@@ -38,6 +38,7 @@ SECONDS = Histogram("kvplan_http_request_seconds", "HTTP API request time (strea
                     ["route"], buckets=SECONDS_BUCKETS)
 IN_FLIGHT = Gauge("kvplan_http_requests_in_flight", "HTTP API requests being answered")
 OTHER = "other"                 # the label of a path no route matches
+UNCOUNTED = frozenset({"/metrics", "/health"})     # the scrapers' and health checks' own: not the API's load
 DRAIN_S = 30.0                  # the longest an oversized body is read (and discarded) before its 413
 _STATUS = "kvplan.status"       # scope key: the request's status cell (`report_status`)
 
@@ -73,8 +74,9 @@ class Guard:
                 await self.app(scope, receive, send_counted)
         finally:
             IN_FLIGHT.dec()
-            REQUESTS.labels(route, str(status[0])).inc()
-            SECONDS.labels(route).observe(time.perf_counter() - t0)
+            if route not in UNCOUNTED:
+                REQUESTS.labels(route, str(status[0])).inc()
+                SECONDS.labels(route).observe(time.perf_counter() - t0)
 
     def _template(self, scope) -> str:
         """The path template of the route that serves `scope` (a wrong method's too), or OTHER."""
