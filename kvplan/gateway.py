@@ -9,13 +9,15 @@ gRPC API.
 
 Each request is one executor `Generate` call (`kvplan.http_jobs`: the job goes through the job
 queue, so it survives the executor that held it, and the request re-attaches to it on any
-executor of KVPLAN_EXECUTOR_ADDR). The request's `Authorization: Bearer` header travels as gRPC
-`authorization` metadata. A body over KVPLAN_HTTP_MAX_BODY_BYTES is 413 before it is read
-(`kvplan.http_guard`); bad input is HTTP 400 in OpenAI's error shape naming the parameter,
-before any job exists — strict JSON types, numbers within their fields' ranges, valid UTF-8 —
-and every error, Starlette's own included, has that shape with a bounded message (never a bare
-500, never `{"detail": ...}`). A client that goes away cancels its job, streaming or not.
-Request and response bodies: `kvplan.openai_api`; errors: `kvplan.openai_errors` (the shape) and
+executor of KVPLAN_EXECUTOR_ADDR; a stream starts with the job's first token). The request's
+`Authorization: Bearer` header travels as gRPC `authorization` metadata (a malformed one is 401
+here). A body over KVPLAN_HTTP_MAX_BODY_BYTES is 413 and never parsed (`kvplan.http_guard`); bad
+input is HTTP 400 in OpenAI's error shape naming the parameter, before any job exists — strict
+JSON types, numbers within their fields' ranges, valid UTF-8, no field nobody knows
+(`kvplan.openai_fields`) — and every error, Starlette's and HTTP's own included
+(`kvplan.http_protocol`), has that shape with a bounded message (never a bare 500, never
+`{"detail": ...}`). A client that goes away cancels its job, streaming or not. Request and
+response bodies: `kvplan.openai_api`; errors: `kvplan.openai_errors` (the shape) and
 `kvplan.http_errors` (an executor's statuses).
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from starlette.exceptions import HTTPException
 from kvplan import openai_api as api
 from kvplan.config import HttpConfig, ModelConfig, from_env
 from kvplan.http_guard import Guard
-from kvplan.http_jobs import HttpJobs
+from kvplan.http_jobs import HttpJobs, metadata
 from kvplan.http_protocol import Protocol
 from kvplan.openai_errors import ApiError
 
@@ -101,17 +103,19 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatBody, request: Request):
+        key = metadata(request)                        # a malformed key first: 401
         gw.check_model(body.model)
         req = api.chat_request(body)
         gw.check_size(req)
-        return await gw.answer(request, req, body, "chat")
+        return await gw.answer(request, key, req, body, "chat")
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionBody, request: Request):
+        key = metadata(request)
         gw.check_model(body.model)
         req = api.completion_request(body)
         gw.check_size(req)
-        return await gw.answer(request, req, body, "text")
+        return await gw.answer(request, key, req, body, "text")
 
     return app
 

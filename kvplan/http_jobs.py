@@ -122,9 +122,10 @@ class HttpJobs:
         except InvalidRequest as e:
             raise bad(api.PARAMS.get(e.field, e.field), str(e).removeprefix(e.field + ": ")) from None
 
-    async def answer(self, request: Request, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
-        """Start the job (its errors are this request's HTTP error), then answer in one JSON body
-        or as an SSE stream; a client that goes away cancels its job, streaming or not.
+    async def answer(self, request: Request, key: tuple, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
+        """Start the job with the request's `key` (`metadata`) — its errors are this request's
+        HTTP error — then answer in one JSON body or as an SSE stream; a client that goes away
+        cancels its job, streaming or not.
 
         A stream's response starts with the job's first token (its first chunk carries the role
         and that token's text), as vLLM's does: every refusal that comes before it — a budget the
@@ -133,7 +134,7 @@ class HttpJobs:
         the `openai` client raises BadRequestError before any chunk), and a client's time to
         first chunk is its time to first token (the role chunk used to go out at once: a TTFT of
         62 ms for a first token 5 to 25 s later)."""
-        job, first = await self._start(req, metadata(request))
+        job, first = await self._start(req, key)
         shape = api.Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
         events = self._events(job, first)
         if body.stream:
