@@ -16,9 +16,9 @@ input is HTTP 400 in OpenAI's error shape naming the parameter, before any job e
 JSON types, numbers within their fields' ranges, valid UTF-8, no field nobody knows
 (`kvplan.openai_fields`) — and every error, Starlette's and HTTP's own included
 (`kvplan.http_protocol`), has that shape with a bounded message (never a bare 500, never
-`{"detail": ...}`). A client that goes away cancels its job, streaming or not. Request and
-response bodies: `kvplan.openai_api`; errors: `kvplan.openai_errors` (the shape) and
-`kvplan.http_errors` (an executor's statuses).
+`{"detail": ...}`). A client that goes away cancels its job, streaming or not. Request bodies:
+`kvplan.openai_api`; response bodies: `kvplan.openai_shapes`; errors: `kvplan.openai_errors` (the
+shape) and `kvplan.http_errors` (an executor's statuses).
 """
 from __future__ import annotations
 

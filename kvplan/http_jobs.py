@@ -30,6 +30,7 @@ from kvplan.http_errors import from_grpc, job_ended
 from kvplan.http_guard import report_status
 from kvplan.keyfile import printable
 from kvplan.openai_errors import ApiError, bad
+from kvplan.openai_shapes import Shape
 from protos import executor_pb2 as pb
 
 log = logging.getLogger("kvplan.gateway")
@@ -135,7 +136,7 @@ class HttpJobs:
         first chunk is its time to first token (the role chunk used to go out at once: a TTFT of
         62 ms for a first token 5 to 25 s later)."""
         job, first = await self._start(req, key)
-        shape = api.Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
+        shape = Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
         events = self._events(job, first)
         if body.stream:
             head = await self._while_connected(request, job, self._head(events))
@@ -232,7 +233,7 @@ class HttpJobs:
                 break
         return head
 
-    async def _stream(self, request: Request, job: _Job, events, head: list, shape: api.Shape, include_usage: bool):
+    async def _stream(self, request: Request, job: _Job, events, head: list, shape: Shape, include_usage: bool):
         text, tokens, done, first = AttemptText(), AttemptItems(), False, True
 
         async def every():

@@ -23,7 +23,7 @@ APART = ("planner", "executor")          # neither imports the other
 FRONT = ("kvplan", *(f"kvplan.{m}" for m in (
     "sdk", "inprocess", "embedded", "client", "attempts", "ticker", "progress", "cli", "jobrun", "demo", "planview",
     "cluster", "members", "keyscmd", "gateway", "http_errors", "http_guard", "http_jobs", "http_protocol",
-    "openai_api", "openai_errors", "openai_fields",
+    "openai_api", "openai_errors", "openai_fields", "openai_shapes",
     "executor_pool")))
 
 
