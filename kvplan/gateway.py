@@ -34,7 +34,8 @@ from starlette.exceptions import HTTPException
 from kvplan import openai_api as api
 from kvplan.config import HttpConfig, ModelConfig, from_env
 from kvplan.http_guard import Guard
-from kvplan.http_jobs import HttpJobs, metadata
+from kvplan.http_jobs import HttpJobs
+from kvplan.http_keys import metadata
 from kvplan.http_protocol import Protocol
 from kvplan.openai_errors import ApiError
 
