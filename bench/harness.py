@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from executor import prompt as P
-from executor.cache import PlannedCache
 from executor.prompt import Prompt
 from cachestore.handle import LocalHandle
 from executor.runner import Prefix, Runner, RunResult, Sampling
@@ -115,26 +114,17 @@ class Harness:
 
     # -- fidelity ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forced_logits(self, prompt: Prompt, plan: CompressionPlan, forced: list[int] | int) -> tuple[torch.Tensor, PlannedCache]:
+    def forced_logits(self, prompt: Prompt, plan: CompressionPlan, forced: list[int] | int) -> tuple[torch.Tensor, RunResult]:
         """Per-step next-token logits [n, V] (fp32) over a continuation: `forced` tokens are fed
-        one decode step at a time through the planned cache; an int n instead decodes n greedy
-        tokens (the reference). Row i predicts continuation token i."""
-        runner = self.runner
-        store = LocalHandle() if plan.offload.enabled else None       # offload: speculative decode steps
-        cache = runner.new_cache(plan, store)
-        logits = runner.prefill(prompt, cache)                                     # [V]
+        one decode step at a time through the planned cache (teacher forcing); an int n instead
+        decodes n greedy tokens (the reference). Row i predicts continuation token i."""
         n = forced if isinstance(forced, int) else len(forced)
-        rows, pos, guess = [], prompt.num_tokens, None
-        for i in range(n):
-            rows.append(logits.float())
-            if i == n - 1:
-                break
-            tok = int(logits.argmax()) if isinstance(forced, int) else forced[i]
-            logits, guess = runner.decode_step(tok, pos, cache, i + 1, guess)
-            pos += 1
+        sampling = Sampling(max_new_tokens=n, ignore_eos=True, forced=() if isinstance(forced, int) else tuple(forced))
+        store = LocalHandle() if plan.offload.enabled else None       # offload: speculative decode steps
+        run, rows = self.runner.run(prompt, plan, sampling, store=store, record_logits=True)
         if store is not None:
             store.release()
-        return torch.stack(rows), cache
+        return torch.stack(rows[:n]), run
 
 
 def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:

@@ -25,7 +25,8 @@ import torch
 
 from bench import cases as C
 from bench.harness import Harness, check_strategies, measured_ratio
-from executor.layers import LAYER_KINDS
+from executor.presses.registry import PRESSES
+from executor.presses import codebook as codebook_press
 from executor.prompt import Prompt
 from kvplan.config import PlannerConfig, from_env
 from planner.strategies import STRATEGIES
@@ -33,31 +34,26 @@ from planner.strategies import STRATEGIES
 RESULTS = Path(__file__).parent / "results"
 
 
-COMPRESSION = ("compress_context", "compress")   # a layer's compression entry points (outermost is timed)
 CODEBOOK_BUILD = "build_codebook"                  # the kernel dispatch that builds SpindleKV codebooks
 
 
 @contextlib.contextmanager
 def compress_timer():
-    """For the bench only: every cache-layer kind's compression methods and every executor
-    module's `build_codebook` wrapped with perf_counter. Yields the log, one entry per
-    compressed layer: {layer, kind, compress_s (scoring, selection, codebooks, stores), codebook_s}."""
-    log, state = [], {"depth": 0, "codebook_s": 0.0}
+    """For the bench only: every press (`executor.presses.PRESSES`) and the codebook press's
+    `build_codebook` wrapped with perf_counter. Yields the log, one entry per compressed layer:
+    {layer, kind, compress_s (scoring, selection, codebooks, stores), codebook_s}."""
+    log, state = [], {"codebook_s": 0.0}
 
-    def timed_compression(orig):
-        def method(self, *args, **kwargs):
-            state["depth"] += 1
-            if state["depth"] == 1:
-                state["codebook_s"] = 0.0
+    def timed_press(name, orig):
+        def press(ctx, seq, layer, *args, **kwargs):
+            state["codebook_s"] = 0.0
             t0 = time.perf_counter()
             try:
-                return orig(self, *args, **kwargs)
+                return orig(ctx, seq, layer, *args, **kwargs)
             finally:
-                state["depth"] -= 1
-                if state["depth"] == 0:       # the outermost call only (one calls the other, overrides call super)
-                    log.append(dict(layer=self.plan.layer, kind=self.kind, compress_s=time.perf_counter() - t0,
-                                    codebook_s=state["codebook_s"]))
-        return method
+                log.append(dict(layer=layer, kind=name, compress_s=time.perf_counter() - t0,
+                                codebook_s=state["codebook_s"]))
+        return press
 
     def timed_build(orig):
         def build(*args, **kwargs):
@@ -68,16 +64,16 @@ def compress_timer():
                 state["codebook_s"] += time.perf_counter() - t0
         return build
 
-    saved = [(cls, name, vars(cls)[name]) for cls in set(LAYER_KINDS.values()) for name in COMPRESSION if name in vars(cls)]
-    saved += [(mod, CODEBOOK_BUILD, getattr(mod, CODEBOOK_BUILD)) for name, mod in list(sys.modules.items())
-              if name.startswith("executor.") and callable(getattr(mod, CODEBOOK_BUILD, None))]
-    for owner, name, orig in saved:
-        setattr(owner, name, timed_build(orig) if name == CODEBOOK_BUILD else timed_compression(orig))
+    saved = dict(PRESSES)
+    build = getattr(codebook_press, CODEBOOK_BUILD)
+    for name, fn in saved.items():
+        PRESSES[name] = timed_press(name, fn)
+    setattr(codebook_press, CODEBOOK_BUILD, timed_build(build))
     try:
         yield log
     finally:
-        for owner, name, orig in saved:
-            setattr(owner, name, orig)
+        PRESSES.update(saved)
+        setattr(codebook_press, CODEBOOK_BUILD, build)
 
 
 def one_run(h: Harness, prompt: Prompt, strategy: str, ratio: float, new_tokens: int, open_store=None) -> dict:

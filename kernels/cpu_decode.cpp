@@ -303,20 +303,20 @@ inline __m256 codes8(__m256i bytes, int p) {
 
 inline __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 
-// Keys of key groups [j0, j1), g = 32: per channel, the 32 codes of a key group (8 / P bytes
-// a chunk) scaled into the query, accumulated in the order the bytes hold them (vector
-// p * C + c holds code p of bytes c*8 .. c*8+7, C = 4 / P chunks), then written in token order.
-template <int H, int BITS>
-void quant_scores32(const float* q, const uint8_t* kc, const uint16_t* ks, const uint16_t* kz, int64_t j0,
+// Keys of key groups [j0, j1) of g = 8 * BK / BITS rows: per channel, the g codes of a key group
+// (BK bytes, C = BK / 8 chunks of 8 bytes) scaled into the query, accumulated in the order the
+// bytes hold them (vector p * C + c holds code p of bytes c*8 .. c*8+7), then written in token order.
+template <int H, int BITS, int BK>
+void quant_scores_g(const float* q, const uint8_t* kc, const uint16_t* ks, const uint16_t* kz, int64_t j0,
                     int64_t j1, int64_t D, float* s, int64_t stride) {
-  constexpr int P = 8 / BITS, C = 4 / P;          // codes a byte; 8-byte chunks of a channel's 32 codes
-  constexpr int BK = 32 / P;                      // bytes of a channel's key group
+  constexpr int P = 8 / BITS, C = BK / 8;         // codes a byte; 8-byte chunks of a channel's codes
+  constexpr int G = BK * P;                       // rows of a key group
   for (int64_t j = j0; j < j1; ++j) {
-    __m256 acc[H][4];
+    __m256 acc[H][C * P];
     float bias[H];
     for (int hh = 0; hh < H; ++hh) {
       bias[hh] = 0.f;
-      for (int a = 0; a < 4; ++a) acc[hh][a] = _mm256_setzero_ps();
+      for (int a = 0; a < C * P; ++a) acc[hh][a] = _mm256_setzero_ps();
     }
     const uint8_t* kj = kc + j * D * BK;
     for (int64_t e = 0; e < D; ++e) {
@@ -336,9 +336,9 @@ void quant_scores32(const float* q, const uint8_t* kc, const uint16_t* ks, const
       }
     }
     for (int hh = 0; hh < H; ++hh) {
-      alignas(32) float buf[32];
-      for (int a = 0; a < 4; ++a) _mm256_store_ps(buf + a * 8, acc[hh][a]);
-      float* sj = s + hh * stride + (j - j0) * 32;
+      alignas(32) float buf[G];
+      for (int a = 0; a < C * P; ++a) _mm256_store_ps(buf + a * 8, acc[hh][a]);
+      float* sj = s + hh * stride + (j - j0) * G;
       for (int p = 0; p < P; ++p)
         for (int c = 0; c < C; ++c)
           for (int k = 0; k < 8; ++k) sj[(c * 8 + k) * P + p] = buf[(p * C + c) * 8 + k] + bias[hh];
@@ -415,14 +415,22 @@ QuantFns pick_quant(int64_t H, int64_t D, int64_t g, int64_t gv, int bits) {
   QuantFns f;
 #ifdef KVPLAN_AVX2
   const int P = 8 / bits;
-  if (g == 32 && bits >= 2) {
-#define KVPLAN_QS(h, b) if (H == h && bits == b) f.scores = quant_scores32<h, b>;
+  if (g == 32 && bits >= 2) {                            // groups of 32 rows (`executor.layers.quant`)
+#define KVPLAN_QS(h, b) if (H == h && bits == b) f.scores = quant_scores_g<h, b, 4 * b>;
     KVPLAN_QS(1, 2) KVPLAN_QS(1, 4) KVPLAN_QS(1, 8) KVPLAN_QS(2, 2) KVPLAN_QS(2, 4) KVPLAN_QS(2, 8)
     KVPLAN_QS(3, 2) KVPLAN_QS(3, 4) KVPLAN_QS(3, 8) KVPLAN_QS(4, 2) KVPLAN_QS(4, 4) KVPLAN_QS(4, 8)
 #undef KVPLAN_QS
   }
-  if (bits >= 2 && (D / P) % 8 == 0 && gv % (8 * P) == 0) {
+  if (g * bits == 24 * 8) {                              // the pool's groups: 24 bytes of codes a channel
+#define KVPLAN_QS(h, b) if (H == h && bits == b) f.scores = quant_scores_g<h, b, 24>;
+    KVPLAN_QS(1, 1) KVPLAN_QS(1, 2) KVPLAN_QS(1, 4) KVPLAN_QS(1, 8) KVPLAN_QS(2, 1) KVPLAN_QS(2, 2)
+    KVPLAN_QS(2, 4) KVPLAN_QS(2, 8) KVPLAN_QS(3, 1) KVPLAN_QS(3, 2) KVPLAN_QS(3, 4) KVPLAN_QS(3, 8)
+    KVPLAN_QS(4, 1) KVPLAN_QS(4, 2) KVPLAN_QS(4, 4) KVPLAN_QS(4, 8)
+#undef KVPLAN_QS
+  }
+  if ((D / P) % 8 == 0 && gv % (8 * P) == 0) {
 #define KVPLAN_QV(h, b, dv) if (H == h && bits == b && D == 8 * dv) f.values = quant_values<h, b, dv>;
+    KVPLAN_QV(1, 1, 8) KVPLAN_QV(2, 1, 8) KVPLAN_QV(3, 1, 8) KVPLAN_QV(4, 1, 8)
     KVPLAN_QV(1, 2, 8) KVPLAN_QV(1, 4, 8) KVPLAN_QV(1, 8, 8) KVPLAN_QV(2, 2, 8) KVPLAN_QV(2, 4, 8) KVPLAN_QV(2, 8, 8)
     KVPLAN_QV(3, 2, 8) KVPLAN_QV(3, 4, 8) KVPLAN_QV(3, 8, 8) KVPLAN_QV(4, 2, 8) KVPLAN_QV(4, 4, 8) KVPLAN_QV(4, 8, 8)
     KVPLAN_QV(1, 4, 16) KVPLAN_QV(1, 8, 16) KVPLAN_QV(2, 4, 16) KVPLAN_QV(2, 8, 16) KVPLAN_QV(3, 4, 16)
@@ -679,35 +687,42 @@ QuantParts quant_parts(int64_t D, int64_t g, int64_t gv, int bits) {
 }  // namespace
 
 // q [G, h, D] fp32; arena [bytes] u8; dtable [G, MBd] int32 (pages), dstart, dend [G] int32;
-// qtable [G, MBq] int32 (pages), qn, qbits [G] int32 (qbits 0 or qn 0: no groups) -> [G, h, D] fp32
+// qtable [G, MBq] int32 (pages), qn, qbits [G] int32 (qbits 0 or qn 0: no groups); group_rows,
+// value_groups [9]: a group's rows and a value scale's channels at each width (`kvcore.blocks`)
+// -> [G, h, D] fp32
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor dtable, torch::Tensor dstart,
                            torch::Tensor dend, torch::Tensor qtable, torch::Tensor qn, torch::Tensor qbits,
-                           int64_t page_bytes, int64_t R, int64_t g, int64_t gv, double scaling, int64_t task_rows) {
+                           int64_t page_bytes, int64_t R, std::vector<int64_t> group_rows,
+                           std::vector<int64_t> value_groups, double scaling, int64_t task_rows) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "q must be fp32 [G, h, D]");
   TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.is_contiguous(), "arena must be contiguous uint8");
+  TORCH_CHECK(group_rows.size() == 9 && value_groups.size() == 9, "group_rows and value_groups: one per width 0..8");
   const int64_t G = q.size(0), h = q.size(1), D = q.size(2);
   for (const auto* t : {&dtable, &qtable})
     TORCH_CHECK(t->scalar_type() == torch::kInt && t->dim() == 2 && t->size(0) == G && t->stride(1) == 1,
                 "tables must be int32 [G, MB] with contiguous rows");
   for (const auto* t : {&dstart, &dend, &qn, &qbits})
     TORCH_CHECK(t->scalar_type() == torch::kInt && t->numel() == G && t->is_contiguous(), "spans must be int32 [G]");
-  TORCH_CHECK(g % R == 0 || R % g == 0, "bad block shapes");
   const int32_t* dt = dtable.data_ptr<int32_t>();
   const int32_t* qt = qtable.data_ptr<int32_t>();
   const int32_t *ds = dstart.data_ptr<int32_t>(), *de = dend.data_ptr<int32_t>();
   const int32_t *qnp = qn.data_ptr<int32_t>(), *qbp = qbits.data_ptr<int32_t>();
   const int64_t dts = dtable.stride(0), qts = qtable.stride(0);
-  const int64_t kb = std::max<int64_t>(1, task_rows / g), db = std::max<int64_t>(1, task_rows / R);
-  std::vector<int64_t> first(G + 1, 0), qtasks(G);
+  const int64_t db = std::max<int64_t>(1, task_rows / R);
+  std::vector<int64_t> first(G + 1, 0), qtasks(G), kbs(G);
+  int64_t width = db * R;
   for (int64_t i = 0; i < G; ++i) {
-    const int64_t groups = qbp[i] ? qnp[i] : 0;
-    TORCH_CHECK(ds[i] % R == 0 && de[i] >= ds[i], "stream ", i, ": dense rows [", ds[i], ", ", de[i], ") misaligned");
-    qtasks[i] = (groups + kb - 1) / kb;
+    const int bits = qbp[i];
+    TORCH_CHECK(bits >= 0 && bits <= 8 && (bits == 0 || group_rows[bits] > 0), "stream ", i, ": bad width ", bits);
+    const int64_t groups = bits ? qnp[i] : 0, g = bits ? group_rows[bits] : 1;
+    TORCH_CHECK(ds[i] >= 0 && de[i] >= ds[i], "stream ", i, ": dense rows [", ds[i], ", ", de[i], ")");
+    kbs[i] = std::max<int64_t>(1, task_rows / g);
+    width = std::max(width, kbs[i] * g);
+    qtasks[i] = (groups + kbs[i] - 1) / kbs[i];
     const int64_t blocks = (de[i] + R - 1) / R - ds[i] / R;
     first[i + 1] = first[i] + qtasks[i] + (blocks + db - 1) / db;
   }
   const int64_t tasks = first[G];
-  const int64_t width = std::max(kb * g, db * R);
   auto qs = (q * scaling).contiguous();
   auto out = torch::empty({G, h, D}, q.options());
   std::vector<float> mx(tasks * h), sm(tasks * h), acc(tasks * h * D);
@@ -715,7 +730,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor d
   const uint8_t* base = arena.data_ptr<uint8_t>();
   const DenseFns df = pick_dense(h, D);
   QuantFns qf[9];
-  for (int b : {2, 4, 8}) qf[b] = pick_quant(h, D, g, gv, b);
+  QuantParts qparts[9];
+  for (int b : {1, 2, 4, 8}) {
+    if (group_rows[b] <= 0) continue;
+    qf[b] = pick_quant(h, D, group_rows[b], value_groups[b], b);
+    qparts[b] = quant_parts(D, group_rows[b], value_groups[b], b);
+  }
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(h * width), tmp(h * D);
     int64_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
@@ -727,7 +747,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor d
       float* a = part.a;
       if (b < qtasks[i]) {                                   // whole quant groups [j0, j1)
         const int bits = qbp[i];
-        const QuantParts pp = quant_parts(D, g, gv, bits);
+        const int64_t g = group_rows[bits], gv = value_groups[bits], kb = kbs[i];
+        const QuantParts& pp = qparts[bits];
         const int64_t j0 = b * kb, j1 = std::min<int64_t>(qnp[i], j0 + kb), n = (j1 - j0) * g;
         for (int64_t j = j0; j < j1; ++j) {
           const uint8_t* blk = base + (int64_t)qt[i * qts + j] * page_bytes;
@@ -750,12 +771,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor d
         }
         continue;
       }
-      const int64_t b0 = ds[i] / R + (b - qtasks[i]) * db;   // whole dense blocks [b0, b1)
+      const int64_t b0 = ds[i] / R + (b - qtasks[i]) * db;   // whole dense pages [b0, b1), rows from ds on
       const int64_t b1 = std::min<int64_t>((de[i] + R - 1) / R, b0 + db);
       int64_t n = 0;
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R;
-        const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes);
+        const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
+        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
+        const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + lo * D;
         if (df.scores) df.scores(qi, k, D, rows, s.data() + n, width);
         else dense_scores_any(qi, k, D, rows, h, D, s.data() + n, width);
         n += rows;
@@ -764,8 +786,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor arena, torch::Tensor d
       std::fill(a, a + h * D, 0.f);
       n = 0;
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R;
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + R * D;
+        const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
+        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) +
+                            (R + lo) * D;
         if (df.values) df.values(s.data() + n, v, D, rows, tmp.data(), width);
         else dense_values_any(s.data() + n, v, D, rows, h, D, tmp.data(), width);
         for (int64_t e = 0; e < h * D; ++e) a[e] += tmp[e];

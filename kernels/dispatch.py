@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels import codebook, gather, quant, ragged_attention, rope_reconstruct, slerp
+from kernels import codebook, gather, quant, rope_reconstruct, slerp
 from kernels._triton import HAS_TRITON, INTERPRETED
 from kernels import hamming
 from kernels import lowbit_qk as lowbit
-from kernels import quant_decode as qattend
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -103,28 +102,6 @@ def reconstruct(
             _unit(C), ref.contiguous(), mag.contiguous(),
             pos_, freq_, attention_scaling, out_dtype)
     return rope_reconstruct.reconstruct_reference(C, ref, mag, pos, inv_freq, attention_scaling, out_dtype)
-
-
-def ragged_decode_attention(
-    q: torch.Tensor,        # [H, D] one query per head
-    k: torch.Tensor,        # [T_total, D] packed rows of all heads
-    v: torch.Tensor,        # [T_total, D]
-    offsets: torch.Tensor,  # [H+1] int64: head h owns rows offsets[h]:offsets[h+1]
-    scaling: float,
-) -> torch.Tensor:          # [H, D] fp32; zeros for a head with no rows
-    """Per-head softmax(scaling * q k^T) v over ragged rows; see `kernels.ragged_attention`."""
-    if q.dim() != 2 or k.dim() != 2 or k.shape != v.shape or k.shape[1] != q.shape[1]:
-        raise ValueError(f"q must be [H, D] and k, v [T, D] with the same D, got {list(q.shape)}, "
-                         f"{list(k.shape)}, {list(v.shape)}")
-    if k.dtype not in ragged_attention.KV_DTYPES or v.dtype not in ragged_attention.KV_DTYPES:
-        raise ValueError(f"k and v must be fp16/bf16/fp32, got {k.dtype} and {v.dtype}")
-    if offsets.shape != (q.shape[0] + 1,) or offsets.dtype != torch.int64:
-        raise ValueError(f"offsets must be int64 [H+1] = [{q.shape[0] + 1}], got {offsets.dtype} {list(offsets.shape)}")
-    if bool((offsets[0] != 0) | (offsets[-1] != k.shape[0]) | (offsets[1:] < offsets[:-1]).any()):   # one sync
-        raise ValueError(f"offsets must rise from 0 to T = {k.shape[0]}, got {offsets.tolist()}")
-    if use_triton(q, k, v):
-        return ragged_attention.ragged_decode_attention_triton(_unit(q), _unit(k), _unit(v), offsets.contiguous(), scaling)
-    return ragged_attention.ragged_decode_attention_reference(q, k, v, offsets, scaling)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -254,28 +231,3 @@ def lowbit_scores(
     if use_triton(q, k_codes, k_scale, k_zero):
         return lowbit.lowbit_scores_triton(q, k_codes, k_scale, k_zero, bits)
     return lowbit.lowbit_scores_reference(q, k_codes, k_scale, k_zero, bits)
-
-
-def quant_attend(
-    rows: list,             # [G] qattend.QuantRows: each KV group's quantized rows, alike in bits and shape
-    q: torch.Tensor,        # [G, h, D] one query row per head of each group
-    k_tails: list,          # [G] of [R_i, D]: each group's newest rows, dense
-    v_tails: list,          # [G] of [R_i, D]
-    masks: list | None,     # [G] of [h, Q_i + R_i] bool (True = seen) or None (all seen), or None
-    scaling: float,
-) -> torch.Tensor:          # [G, h, D] fp32
-    """Softmax attention of each group's h query rows over its KIVI-quantized rows
-    (`kernels.quant_decode`): the fused kernel on the CPU (C++), else the torch reference.
-    Raises ValueError naming a bad argument."""
-    if q.dim() != 3 or q.shape[0] != len(rows) or len(k_tails) != len(rows) or len(v_tails) != len(rows) \
-            or (masks is not None and len(masks) != len(rows)) or not rows:
-        raise ValueError(f"q must be [G, h, D] with a rows, tails and mask entry per group; got q {list(q.shape)} "
-                         f"for {len(rows)} groups")
-    if len({(r.bits, r.g, r.gv, r.d) for r in rows}) > 1:
-        raise ValueError("the groups must share bits, group sizes and head dim")
-    for i, r in enumerate(rows):
-        r.check(q[i], k_tails[i], v_tails[i], None if masks is None else masks[i])
-    if not q.is_cuda and qattend.handles(rows, [*k_tails, *v_tails]):
-        return qattend.attend_groups_cpu(rows, q, k_tails, v_tails, masks, scaling)
-    return torch.stack([r.attend_reference(q[i], k_tails[i], v_tails[i], None if masks is None else masks[i], scaling)
-                        for i, r in enumerate(rows)])

@@ -1,22 +1,30 @@
-"""Decode attention over the engine's paged pool: one query row per head, every stream of a layer
-(each KV head of each sequence in the step) in one call, each over its quantized groups and its
-dense fp16 rows in one softmax — a layer whose oldest rows are quantized and newest dense needs
-no second pass and no merge outside the kernel.
+"""Decode attention over the engine's paged pool: a few query rows per stream, every stream of a
+layer (each KV head of each sequence in the step) in one call, whatever storage forms the streams
+use — the forms are data the kernel reads (`kvcore.blocks`, `executor.engine.block_tables`):
 
-A stream's storage (`kvcore.blocks`, `executor.engine.kv_pool`): groups 0..qn-1 at pages
-qtable[i] (one KIVI group of g rows a block: K codes per channel, V codes per token, fp16 scales
-and zeros, at qbits bits), then rows [dstart, dend) in dense blocks of R rows at pages
-dtable[r // R] (K rows [R, D] then V rows [R, D], fp16). `dstart` is a multiple of R.
+    quant   qn pages of quant form qform (K per channel and key group, V per row and value group,
+            fp16 scales and zeros) at qtable[i]: rows [0, qn·g); a skip page (xpage >= 0) marks
+            rows left out (their exact rows are coded)
+    coded   cn rows described in coded pages ctable[i] (per row: K entry, V entry, position, K and
+            V magnitudes, the query heads that see it): k = mag_k · E_k[ref_k], turned by RoPE at
+            `pos` when pos >= 0 (codebook keys are stored pre-RoPE), v = mag_v · E_v[ref_v];
+            entries in entry pages ektable / evtable; ref_k < 0: no row
+    dense   rows [dstart, dend) in dense pages dtable[r // R] (K rows [R, D], then V rows [R, D])
 
-    kernels     C++ on the CPU (`kernels/cpu_decode.cpp`, `paged_decode`: split-K over runs of
-                groups and of dense blocks, combined in a fixed order; AVX2 paths for the
-                shapes kvplan runs) and Triton on CUDA (`_paged_decode_kernel`: one program per
-                stream, online softmax over its groups then its dense blocks)
+all in one softmax per query row: out [G, h, D] and its log-sum-exp [G, h] (a stream without a
+row: zeros and -inf), so partial results merge (SpeCache's guess row adds its own row after).
+
+    kernels     C++ on the CPU (`kernels/cpu_decode.cpp` `paged_decode`: split-K tasks over runs of
+                pages, combined in a fixed order) and Triton on CUDA (`_paged_decode_kernel`)
     launcher    `paged_decode`: checks shapes and dtypes, picks the kernel for the device
     reference   `paged_decode_reference`: the same math in plain torch, stream by stream
+                (`stream_rows` gives a stream's rows as attention sees them)
 
-Shapes: G streams, h query heads per stream, D head dim, MB table widths."""
+Shapes: G streams, h query rows per stream (a step's query heads of the KV head, times its rows),
+D head dim, MB table widths, F quant forms, T positions of the RoPE tables."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -27,24 +35,59 @@ from kvcore.blocks import Layout
 
 TASK_ROWS = 256        # rows of one split-K task on the CPU
 ENABLED = True         # False: the reference everywhere (benches compare both in one process)
+ALL_HEADS = 0xFF       # a row every query head of its group sees
 
 
-def dequantize_groups(arena: torch.Tensor, pages: torch.Tensor, bits: int, layout: Layout
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Groups at `pages` [n] -> their K, V rows [n·g, D] fp32, in order."""
-    d, g, gv, page = layout.head_dim, layout.group, layout.value_group, layout.page_bytes
+@dataclass(frozen=True)
+class CodedRows:
+    """Coded rows of every KV head of a layer, what `BlockTables.store_coded` writes: per head M
+    rows and n_k / n_v entries."""
+    ref_k: torch.Tensor          # [H, M] int32: K entry (< 0: no row)
+    ref_v: torch.Tensor          # [H, M] int32: V entry
+    pos: torch.Tensor            # [H, M] int32: RoPE position of a pre-RoPE key entry; -1: stored post-RoPE
+    mag_k: torch.Tensor          # [H, M] fp16
+    mag_v: torch.Tensor          # [H, M] fp16
+    heads: torch.Tensor          # [H, M] uint8: bit j, query head j of the group sees the row
+    k_entries: torch.Tensor      # [H, n_k, D] storage dtype
+    v_entries: torch.Tensor      # [H, n_v, D]
+
+    @classmethod
+    def exact(cls, k: torch.Tensor, v: torch.Tensor, heads: torch.Tensor | None = None) -> "CodedRows":
+        """Rows k, v [H, M, D] (post-RoPE) kept exact: each its own entry, magnitude 1."""
+        h, m, _ = k.shape
+        ref = torch.arange(m, dtype=torch.int32).expand(h, m).contiguous()
+        one = torch.ones(h, m, dtype=torch.float16)
+        return cls(ref, ref.clone(), torch.full((h, m), -1, dtype=torch.int32), one, one.clone(),
+                   torch.full((h, m), ALL_HEADS, dtype=torch.uint8) if heads is None else heads.to(torch.uint8),
+                   k, v)
+
+
+def form_table(layout: Layout) -> torch.Tensor:
+    """[F, 4] int32: each quant form's bits, rows, key group and value group."""
+    return torch.tensor([[f.bits, f.rows, f.key_group, f.value_group] for f in layout.quant_forms], dtype=torch.int32)
+
+
+def dequantize_pages(arena: torch.Tensor, pages: torch.Tensor, form: int, layout: Layout
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quant pages [n] of `form` -> their K, V rows [n·g, D] fp32, in order."""
+    d, page = layout.head_dim, layout.page_bytes
     n = pages.numel()
-    if n == 0:
+    if n == 0 or form == 0:
         empty = torch.empty(0, d, dtype=torch.float32, device=arena.device)
         return empty, empty
-    gb = layout.quant_bytes(bits)
-    at = pages.to(arena.device).long()[:, None] * page + torch.arange(gb, device=arena.device)   # [n, gb]
-    raw = arena[at]                                                                               # [n, gb] u8
-    part = {name: raw[:, a:a + m] for name, (a, m) in layout.quant_parts(bits).items()}
+    f = layout.quant_forms[form]
+    g, kg, gv, bits = f.rows, f.key_group, f.value_group, f.bits
+    parts = layout.form_parts(form)
+    size = sum(x for _, x in parts.values())
+    at = pages.to(arena.device).long()[:, None] * page + torch.arange(size, device=arena.device)   # [n, bytes]
+    raw = arena[at]                                                                                # [n, bytes] u8
+    part = {name: raw[:, a:a + m] for name, (a, m) in parts.items()}
     f16 = lambda x: x.contiguous().view(torch.float16)          # noqa: E731
-    k = unpack_dequantize_reference(part["kc"].reshape(n * d, -1), f16(part["ks"]).reshape(n * d, 1),
-                                    f16(part["kz"]).reshape(n * d, 1), bits, g)                   # [n·D, g]
-    k = k.view(n, d, g).transpose(1, 2).reshape(n * g, d)
+    sub = g // kg
+    codes = part["kc"].reshape(n, d, sub, kg * bits // 8).transpose(1, 2).reshape(n * sub * d, -1)
+    k = unpack_dequantize_reference(codes, f16(part["ks"]).reshape(n * sub * d, 1),
+                                    f16(part["kz"]).reshape(n * sub * d, 1), bits, kg)            # [n·sub·D, kg]
+    k = k.view(n, sub, d, kg).transpose(2, 3).reshape(n * g, d)
     v = unpack_dequantize_reference(part["vc"].reshape(n * g, -1), f16(part["vs"]).reshape(n * g, -1),
                                     f16(part["vz"]).reshape(n * g, -1), bits, gv)                 # [n·g, D]
     return k, v
@@ -56,157 +99,143 @@ def dense_rows(arena: torch.Tensor, table: torch.Tensor, start: int, end: int, l
     in the storage dtype (fp16, or fp32 where the layout stores 4 bytes)."""
     rows = arena.view(torch.float16 if layout.itemsize == 2 else torch.float32).view(-1, layout.head_dim)
     r = torch.arange(start, end, device=table.device)
-    first = table.long()[r // layout.rows] * layout.page_bytes // layout.row_bytes
-    at = (first + r % layout.rows).to(arena.device)
+    at = (layout.first_row(table.long()[r // layout.rows]) + r % layout.rows).to(arena.device)
     return rows[at], rows[at + layout.rows]
 
 
-def paged_decode_reference(q: torch.Tensor, arena: torch.Tensor, dtable: torch.Tensor, dstart: torch.Tensor,
-                           dend: torch.Tensor, qtable: torch.Tensor, qn: torch.Tensor, qbits: torch.Tensor,
-                           layout: Layout, scaling: float) -> torch.Tensor:
-    """q [G, h, D] -> [G, h, D] fp32: each stream's softmax(q·kᵀ·scaling)·v over its groups' and
-    dense rows (zeros for a stream with no row)."""
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for i in range(q.shape[0]):
-        n, bits = int(qn[i]), int(qbits[i])
-        kq, vq = dequantize_groups(arena, qtable[i, :n], bits, layout) if n and bits else (None, None)
-        kd, vd = dense_rows(arena, dtable[i], int(dstart[i]), int(dend[i]), layout)
-        k = torch.cat([x for x in (kq, kd.float()) if x is not None])
-        v = torch.cat([x for x in (vq, vd.float()) if x is not None])
-        if k.shape[0]:
-            out[i] = torch.softmax(q[i].float() @ k.T.to(q.device) * scaling, dim=-1) @ v.to(q.device)
+def coded_fields(arena: torch.Tensor, table: torch.Tensor, n: int, layout: Layout) -> dict[str, torch.Tensor]:
+    """The first n rows of a stream's coded pages `table` [MB] -> each field [n]."""
+    m = layout.coded_rows
+    r = torch.arange(n)
+    page, at = table.long()[r // m].to(arena.device), (r % m).to(arena.device)
+    out = {}
+    for name, (off, size) in layout.coded_parts().items():
+        item = size // m
+        idx = page[:, None] * layout.page_bytes + off + at[:, None] * item + torch.arange(item, device=arena.device)
+        raw = arena[idx].contiguous()                                                       # [n, item]
+        dtype = {4: torch.int32, 2: torch.float16, 1: torch.uint8}[item]
+        out[name] = raw.view(dtype).view(n)
     return out
 
 
-def _check(q, arena, dtable, dstart, dend, qtable, qn, qbits) -> None:
-    g = q.shape[0] if q.dim() == 3 else -1
+def entry_rows(arena: torch.Tensor, table: torch.Tensor, refs: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Entries `refs` [n] of a stream's entry pages `table` [MB] -> [n, D] in the storage dtype."""
+    rows = arena.view(torch.float16 if layout.itemsize == 2 else torch.float32).view(-1, layout.head_dim)
+    e = layout.entry_rows
+    r = refs.long().cpu()
+    at = layout.first_row(table.long()[r // e]) + r % e
+    return rows[at.to(arena.device)]
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [n, D] fp32 pre-RoPE rows at positions pos [n] -> post-RoPE (HF's rotate_half); rope: the
+    (cos, sin) tables [T, D]."""
+    cos, sin = rope[0][pos.long().to(rope[0].device)].to(x.device), rope[1][pos.long().to(rope[1].device)].to(x.device)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[:, half:], x[:, :half]), dim=-1) * sin
+
+
+def skipped(arena: torch.Tensor, page: int, n: int, layout: Layout) -> torch.Tensor:
+    """[n] bool: the quant rows a skip page marks (all False without one)."""
+    if page < 0 or n == 0:
+        return torch.zeros(n, dtype=torch.bool)
+    raw = arena[page * layout.page_bytes:page * layout.page_bytes + (n + 7) // 8].cpu()
+    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(-1)[:n].bool()
+
+
+def stream_rows(arena, dtable, dstart, dend, qtable, qn, qform, ctable, cn, ektable, evtable, xpage,
+                layout: Layout, rope=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stream's rows as attention sees them: its quant rows not skipped, its coded rows, its
+    dense rows -> K, V [U, D] fp32 and heads [U] uint8 (the group's query heads seeing each)."""
+    n, form = int(qn), int(qform)
+    kq, vq = dequantize_pages(arena, qtable[:n], form, layout)
+    keep = ~skipped(arena, int(xpage), kq.shape[0], layout).to(kq.device)
+    kq, vq = kq[keep], vq[keep]
+    c = int(cn)
+    f = coded_fields(arena, ctable, c, layout) if c else None
+    if f is not None and c:
+        live = f["ref_k"] >= 0
+        f = {name: x[live] for name, x in f.items()}
+        kc = entry_rows(arena, ektable, f["ref_k"], layout).float() * f["mag_k"].float()[:, None]
+        vc = entry_rows(arena, evtable, f["ref_v"], layout).float() * f["mag_v"].float()[:, None]
+        turned = f["pos"] >= 0
+        if bool(turned.any()):
+            if rope is None:
+                raise ValueError("coded keys stored pre-RoPE need the RoPE tables")
+            kc[turned] = rotate(kc[turned], f["pos"][turned], rope)
+        hc = f["heads"]
+    else:
+        kc = vc = torch.empty(0, layout.head_dim, device=arena.device)
+        hc = torch.empty(0, dtype=torch.uint8, device=arena.device)
+    kd, vd = dense_rows(arena, dtable, int(dstart), int(dend), layout)
+    k = torch.cat([kq, kc, kd.float()])
+    v = torch.cat([vq, vc, vd.float()])
+    heads = torch.cat([torch.full((kq.shape[0],), ALL_HEADS, dtype=torch.uint8, device=arena.device), hc,
+                       torch.full((kd.shape[0],), ALL_HEADS, dtype=torch.uint8, device=arena.device)])
+    return k, v, heads
+
+
+def paged_decode_reference(q: torch.Tensor, arena: torch.Tensor, dtable, dstart, dend, qtable, qn, qform, ctable, cn,
+                           ektable, evtable, xpage, layout: Layout, scaling: float, rope=None,
+                           group_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [G, h, D] -> out [G, h, D] fp32, lse [G, h] fp32: each stream's softmax(q·kᵀ·scaling)·v over
+    its rows (`stream_rows`); query row j sees a coded row when bit j % group_heads of its heads is
+    set (group_heads: the group's query heads; default h)."""
+    g, h, d = q.shape
+    hn = group_heads or h
+    out = torch.zeros(g, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((g, h), float("-inf"), dtype=torch.float32, device=q.device)
+    bit = (1 << (torch.arange(h) % hn)).to(torch.uint8)
+    for i in range(g):
+        k, v, heads = stream_rows(arena, dtable[i], dstart[i], dend[i], qtable[i], qn[i], qform[i], ctable[i], cn[i],
+                                  ektable[i], evtable[i], xpage[i], layout, rope)
+        if not k.shape[0]:
+            continue
+        s = q[i].float() @ k.T.to(q.device) * scaling                                     # [h, U]
+        seen = (heads.to(q.device)[None, :] & bit.to(q.device)[:, None]) > 0
+        s = s.masked_fill(~seen, float("-inf"))
+        lse[i] = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[i][:, None]).nan_to_num(0.0)
+        out[i] = p @ v.to(q.device)
+    return out, lse
+
+
+NAMES = ("dtable", "dstart", "dend", "qtable", "qn", "qform", "ctable", "cn", "ektable", "evtable", "xpage")
+
+
+def _check(q, arena, tables) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [G, h, D], got {list(q.shape)}")
+    g = q.shape[0]
     if arena.dtype != torch.uint8 or arena.dim() != 1:
         raise ValueError(f"arena must be uint8 [bytes], got {arena.dtype} {list(arena.shape)}")
-    for name, t in (("dtable", dtable), ("qtable", qtable)):
-        if t.dtype != torch.int32 or t.dim() != 2 or t.shape[0] != g:
-            raise ValueError(f"{name} must be int32 [{g}, MB], got {t.dtype} {list(t.shape)}")
-    for name, t in (("dstart", dstart), ("dend", dend), ("qn", qn), ("qbits", qbits)):
-        if t.dtype != torch.int32 or tuple(t.shape) != (g,):
-            raise ValueError(f"{name} must be int32 [{g}], got {t.dtype} {list(t.shape)}")
+    for name, t in zip(NAMES, tables):
+        two = name.endswith("table")
+        if t.dtype != torch.int32 or t.dim() != (2 if two else 1) or t.shape[0] != g:
+            raise ValueError(f"{name} must be int32 [{g}{', MB' if two else ''}], got {t.dtype} {list(t.shape)}")
 
 
-def paged_decode(q: torch.Tensor, arena: torch.Tensor, dtable: torch.Tensor, dstart: torch.Tensor,
-                 dend: torch.Tensor, qtable: torch.Tensor, qn: torch.Tensor, qbits: torch.Tensor, layout: Layout,
-                 scaling: float) -> torch.Tensor:
-    """q [G, h, D]; arena [bytes] u8; dtable [G, MBd], dstart, dend [G]; qtable [G, MBq], qn,
-    qbits [G] (all int32, on the arena's device for CUDA, the CPU otherwise) -> [G, h, D] fp32."""
-    _check(q, arena, dtable, dstart, dend, qtable, qn, qbits)
-    if ENABLED and arena.is_cuda and HAS_TRITON:
-        return paged_decode_triton(q, arena, dtable, dstart, dend, qtable, qn, qbits, layout, scaling)
-    if ENABLED and not arena.is_cuda and layout.itemsize == 2 and cpu_extension.module() is not None:
-        return cpu_extension.module().paged_decode(
-            q.float().contiguous(), arena, dtable.contiguous(), dstart.contiguous(), dend.contiguous(),
-            qtable.contiguous(), qn.contiguous(), qbits.contiguous(), layout.page_bytes, layout.rows,
-            layout.group, layout.value_group, float(scaling), TASK_ROWS)
-    return paged_decode_reference(q, arena, dtable, dstart, dend, qtable, qn, qbits, layout, scaling)
+def paged_decode(q: torch.Tensor, arena: torch.Tensor, dtable, dstart, dend, qtable, qn, qform, ctable, cn, ektable,
+                 evtable, xpage, layout: Layout, scaling: float, rope=None,
+                 group_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [G, h, D]; arena [bytes] u8; the streams' tables (`NAMES`; int32, [G, MB] or [G], on the
+    arena's device for CUDA, the CPU otherwise); rope: (cos, sin) [T, D] fp32 for pre-RoPE coded
+    keys -> out [G, h, D] fp32, lse [G, h] fp32."""
+    tables = (dtable, dstart, dend, qtable, qn, qform, ctable, cn, ektable, evtable, xpage)
+    _check(q, arena, tables)
+    mod = cpu_extension.module() if ENABLED and not arena.is_cuda and layout.itemsize == 2 else None
+    if ENABLED and arena.is_cuda and HAS_TRITON and hasattr(_kernels, "paged_decode_triton"):
+        return _kernels.paged_decode_triton(q, arena, *tables, layout, scaling, rope, group_heads)
+    if mod is not None and hasattr(mod, "paged_decode_mixed"):
+        cos, sin = rope if rope is not None else (torch.zeros(1, layout.head_dim), torch.zeros(1, layout.head_dim))
+        out, lse = mod.paged_decode_mixed(q.float().contiguous(), arena, *(t.contiguous() for t in tables),
+                                          form_table(layout), cos.float().contiguous(), sin.float().contiguous(),
+                                          layout.page_bytes, layout.rows, layout.coded_rows, layout.entry_rows,
+                                          int(group_heads or q.shape[1]), float(scaling), TASK_ROWS)
+        return out, lse
+    return paged_decode_reference(q, arena, *tables, layout, scaling, rope, group_heads)
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _paged_decode_kernel(
-        q_ptr,        # [G, h, D] fp32 contiguous
-        arena_ptr,    # [bytes] uint8
-        out_ptr,      # [G, h, D] fp32 contiguous
-        dt_ptr, ds_ptr, de_ptr,       # [G, MBd] int32, [G], [G]
-        qt_ptr, qn_ptr, qb_ptr,       # [G, MBq] int32, [G], [G]
-        MBD, MBQ, PAGE, scaling,
-        H: tl.constexpr,              # query heads per stream
-        HP: tl.constexpr,             # H rounded up to a power of two
-        D: tl.constexpr,
-        R: tl.constexpr,              # rows of a dense block
-        GQ: tl.constexpr,             # rows of a quant group
-        GV: tl.constexpr,             # channels sharing a value scale
-    ):
-        s = tl.program_id(0).to(tl.int64)
-        hh = tl.arange(0, HP)
-        d = tl.arange(0, D)
-        hmask = hh < H
-        q = tl.load(q_ptr + (s * H + hh[:, None]) * D + d[None, :], mask=hmask[:, None], other=0.0) * scaling
-        m_i = tl.full([HP], float("-inf"), tl.float32)
-        l_i = tl.zeros([HP], tl.float32)
-        acc = tl.zeros([HP, D], tl.float32)
-        half_ptr = arena_ptr.to(tl.pointer_type(tl.float16))
-        # quantized groups
-        n_groups = tl.load(qn_ptr + s)
-        bits = tl.load(qb_ptr + s)
-        n_groups = tl.where(bits > 0, n_groups, 0)
-        per = 8 // tl.maximum(bits, 1)
-        levels_mask = (1 << bits) - 1
-        t = tl.arange(0, GQ)
-        off_ks = D * GQ * bits // 8
-        off_kz = off_ks + D * 2
-        off_vc = off_kz + D * 2
-        off_vs = off_vc + GQ * D * bits // 8
-        off_vz = off_vs + GQ * (D // GV) * 2
-        for j in range(0, n_groups):
-            base = tl.load(qt_ptr + s * MBQ + j).to(tl.int64) * PAGE
-            # keys [GQ, D]: channel e's codes are bytes base + e * (GQ*bits/8) ..., token t in byte t // per
-            kbyte = tl.load(arena_ptr + base + d[None, :] * (GQ * bits // 8) + t[:, None] // per).to(tl.int32)
-            kcode = (kbyte >> ((t[:, None] % per) * bits)) & levels_mask
-            ks = tl.load(half_ptr + (base + off_ks) // 2 + d).to(tl.float32)
-            kz = tl.load(half_ptr + (base + off_kz) // 2 + d).to(tl.float32)
-            k = kcode.to(tl.float32) * ks[None, :] + kz[None, :]                          # [GQ, D]
-            vbyte = tl.load(arena_ptr + base + off_vc + t[:, None] * (D * bits // 8) + d[None, :] // per).to(tl.int32)
-            vcode = (vbyte >> ((d[None, :] % per) * bits)) & levels_mask
-            vs = tl.load(half_ptr + (base + off_vs) // 2 + t[:, None] * (D // GV) + d[None, :] // GV).to(tl.float32)
-            vz = tl.load(half_ptr + (base + off_vz) // 2 + t[:, None] * (D // GV) + d[None, :] // GV).to(tl.float32)
-            v = vcode.to(tl.float32) * vs + vz                                             # [GQ, D]
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                             # [HP, GQ]
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        # dense rows [start, end)
-        start = tl.load(ds_ptr + s)
-        end = tl.load(de_ptr + s)
-        r = tl.arange(0, R)
-        for blk in range(start // R, (end + R - 1) // R):
-            page = tl.load(dt_ptr + s * MBD + blk).to(tl.int64)
-            rows = blk * R + r
-            valid = rows < end
-            first = page * PAGE // 2                                                      # in fp16 elements
-            k = tl.load(half_ptr + first + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(half_ptr + first + (R + r[:, None]) * D + d[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                             # [HP, R]
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (s * H + hh[:, None]) * D + d[None, :], out, mask=hmask[:, None])
-
-
-def paged_decode_triton(q, arena, dtable, dstart, dend, qtable, qn, qbits, layout: Layout,
-                        scaling: float) -> torch.Tensor:
-    """The Triton kernel (CUDA, or anywhere under TRITON_INTERPRET=1): one program per stream."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed")
-    if layout.itemsize != 2 or layout.head_dim & (layout.head_dim - 1):
-        raise ValueError("the Triton paged kernel needs fp16 rows and a power-of-two head dim")
-    g, h, d = q.shape
-    q = q.float().contiguous()
-    out = torch.empty(g, h, d, dtype=torch.float32, device=q.device)
-    if g == 0:
-        return out
-    dev = arena.device
-    dtable, qtable = dtable.to(dev).contiguous(), qtable.to(dev).contiguous()
-    _paged_decode_kernel[(g,)](
-        q, arena, out, dtable, dstart.to(dev).contiguous(), dend.to(dev).contiguous(),
-        qtable, qn.to(dev).contiguous(), qbits.to(dev).contiguous(),
-        dtable.shape[1], qtable.shape[1], layout.page_bytes, float(scaling),
-        H=h, HP=pow2_at_least(h), D=d, R=layout.rows, GQ=layout.group, GV=layout.value_group)
-    return out
+class _kernels:
+    """The device kernels, where they are built (`paged_decode_triton` below, with Triton)."""

@@ -3,11 +3,10 @@ window and the prefetch width (the plan fixes the bits) chosen so that the bytes
 layer holds stay within the job's reserve ratio over the whole job. The planner fits the part
 when it plans; the engine refits it to the job's own length when it admits it.
 
-Per layer and KV head an offload layer holds (`kvcore.cost`): the low-bit copy (`lowbit_bytes`:
-codes, fp16 scales and zeros, the window in the storage dtype — values `recent_window` rows,
-keys up to `recent_window + g - 1` during decode), the sink rows, and the prefetch buffer
-(`top_k` K and V rows in the storage dtype plus their int16/int32 positions:
-`offload_fixed_bytes`). The ratio is against the K+V of every token in the storage dtype.
+Per layer and KV head an offload layer holds pages of the pool (`kvcore.plan_cost.offload_pages`):
+the low-bit copy (quant pages of key groups of 32 rows, the newest `recent_window` rows and the
+rows past the last whole page dense), its sinks and `top_k` prefetch slots as exact coded rows,
+and a skip page. The ratio is against the K+V of every token in the storage dtype.
 
 Candidates: the plan's key group (32 tokens in the presets), value groups of 64 or 32 channels,
 windows from the plan's down by halves to 0, prefetch widths from the plan's down to 32. The one
@@ -23,27 +22,28 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from kvcore.cost import lowbit_bytes, offload_fixed_bytes
+from kvcore.blocks import Layout
+from kvcore.plan_cost import offload_pages
 from kvplan.plan import OffloadPlan
 
 VALUE_GROUPS = (64, 32)
 TOP_KS = (48, 32)          # below the plan's own; 32 is the floor
 
 
-def resident_bytes(off: OffloadPlan, tokens: int, key_tail: int, heads: int, head_dim: int, itemsize: int = 2) -> int:
-    """Bytes one offload layer holds with `tokens` tokens and `key_tail` keys in the storage dtype."""
-    low = lowbit_bytes(tokens, heads, head_dim, off.low_bits, off.group_size, off.recent_window, key_tail,
-                       off.value_group_size, itemsize=itemsize)
-    return low + offload_fixed_bytes(off.sink_tokens, off.top_k, heads, head_dim, tokens, itemsize)
+def resident_bytes(off: OffloadPlan, tokens: int, heads: int, head_dim: int, itemsize: int = 2,
+                   after: list[int] | None = None) -> int:
+    """Bytes one offload layer's pages hold with `tokens` tokens (at its worst step while `after`
+    rows join, when given): its low-bit copy, sinks, prefetch slots and skip page (`kvcore.plan_cost`)."""
+    lay = Layout(head_dim, itemsize)
+    return heads * offload_pages(lay, off, tokens, after or []) * lay.page_bytes
 
 
 def ratio(off: OffloadPlan, prompt_tokens: int, new_tokens: int, head_dim: int, itemsize: int = 2) -> float:
     """The largest resident / full ratio over the job (after the prompt; at its last token)."""
     worst = 0.0
-    for tokens, key_tail in ((prompt_tokens, off.recent_window),
-                             (prompt_tokens + new_tokens, off.recent_window + min(off.group_size - 1, new_tokens))):
-        full = tokens * 2 * head_dim * itemsize
-        worst = max(worst, resident_bytes(off, tokens, key_tail, 1, head_dim, itemsize) / full)
+    for tokens, after in ((prompt_tokens, []), (prompt_tokens, [1] * max(new_tokens - 1, 0))):
+        full = (tokens + sum(after)) * 2 * head_dim * itemsize
+        worst = max(worst, resident_bytes(off, tokens, 1, head_dim, itemsize, after) / max(full, 1))
     return worst
 
 

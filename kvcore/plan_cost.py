@@ -1,15 +1,22 @@
-"""A plan's bytes over a job, from the plan alone (`kvcore.cost` per storage form): what the
-engine reserves before the job runs, and what a plan states as `predicted_kv_bytes`.
+"""A plan's bytes over a job, from the plan alone: what the engine reserves before the job runs, and
+what a plan states as `predicted_kv_bytes`. Every layer's streams are pages of the pool
+(`kvcore.blocks`), so a plan's bytes are whole pages:
 
-    plan_bytes       the most the compressed cache holds at any step after the context's last
-                     chunk (question and generated rows included, spare store rows counted);
-                     an upper bound where the form depends on the data
+    full / evicted      dense pages of the kept rows and the rows added after them
+    quant               quant pages of the form at its width and a dense tail, at its worst step
+                        (a step's new page allocated before the dense pages it empties are freed)
+    repeat / codebook   the kept rows as coded rows (a coded page per `coded_rows`, an entry per
+                        row and part at most: the union of a group's query heads, every part
+                        exact, bounds any codebook), the added rows dense
+    merge               per layer of a pair a coded page per `coded_rows` context rows, the
+                        retained rows and the added ones dense; the upper layer also the shared
+                        directions (an entry per row and part)
+    offload             SpeCache's low-bit copy (quant pages of its form, the window dense), its
+                        sinks and prefetch slots (coded rows and their entries), a skip page
+
+    plan_bytes       the most the compressed cache holds at any step after the context's last chunk
     prefill_bytes    what the prefill holds at its peak: every layer's dense context, plus one
-                     layer's compressed form built beside its dense copy when the plan compresses
-
-Layers the engine's pool holds (`kvcore.blocks.pooled_layers`) cost whole blocks of their form
-(`kvcore.blocks.Layout`): every KV head a stream of dense blocks, or of quant groups and a dense
-tail. The rest cost what their cache layers hold (`kvcore.cost`).
+                     layer's compressed form built as its dense pages are given back
 
 Shapes are counts; one sequence."""
 from __future__ import annotations
@@ -19,54 +26,37 @@ import math
 import numpy as np
 
 from kvcore import cost
-from kvcore.blocks import Layout, pooled_layers
-from kvplan.plan import CompressionPlan, LayerPlan
+from kvcore.blocks import Layout, ceil_div
+from kvplan.plan import CompressionPlan, LayerPlan, OffloadPlan
+
+OFFLOAD_KEY_GROUP = 32       # SpeCache's low-bit keys per channel scale (`executor.presses.offload`)
 
 
 def plan_bytes(plan: CompressionPlan, num_kv_heads: int, num_query_heads: int, head_dim: int, context: int,
                suffix: int, new_tokens: int, itemsize: int, chunk: int) -> int:
-    ctx_adds, after = cost.job_adds(context, suffix, new_tokens, chunk)
-    lower = {lp.merge.with_layer for lp in plan.layers if lp.merge is not None}
-    shape = (num_kv_heads, num_query_heads, head_dim, itemsize)
-    pooled = pooled_layers(plan, num_query_heads, num_kv_heads)
-    layout = Layout(head_dim, itemsize)
-    total = 0
+    _, after = cost.job_adds(context, suffix, new_tokens, chunk)
+    lay = Layout(head_dim, itemsize)
+    lower = {lp.merge.with_layer: lp.merge for lp in plan.layers if lp.merge is not None}
+    hn = num_query_heads // num_kv_heads
+    added = sum(after)
+    pages = 0
     for i, lp in enumerate(plan.layers):
-        if pooled[i]:
-            total += num_kv_heads * _pooled(lp, layout, kept_per_head(lp, context), after)
-        elif plan.offload.enabled and lp.kind == "full" and i not in lower:
-            total += _offload(plan.offload, shape, context, after)
-        elif i in lower:                      # holds only the rows its partner merges next, within a forward
-            total += num_kv_heads * cost.dense_row_bytes(head_dim, itemsize) * max(after, default=0)
+        if i in lower:
+            pages += _merged(lay, lower[i], context, added, upper=False)
         elif lp.merge is not None:
-            total += _merge(lp, shape, context, after)
-        elif lp.eviction is not None or lp.quant is not None or lp.codebook is not None:
-            total += _evicted(lp, shape, context, after)
-        elif ctx_adds:
-            rows = cost.capacities(0, 0, ctx_adds + after)[-1]
-            total += num_kv_heads * cost.dense_row_bytes(head_dim, itemsize) * rows
-    return int(total)
+            pages += _merged(lay, lp.merge, context, added, upper=True)
+        elif plan.offload.enabled and lp.kind == "full":
+            pages += offload_pages(lay, plan.offload, context, after)
+        else:
+            pages += _layer(lay, lp, context, after, hn)
+    return int(num_kv_heads * pages * lay.page_bytes)
 
 
 def prefill_bytes(plan: CompressionPlan, num_kv_heads: int, head_dim: int, context: int, itemsize: int) -> int:
     compresses = plan.offload.enabled or any(lp.kind != "full" for lp in plan.layers)
     layers = len(plan.layers) + (1 if compresses else 0)
-    layout = Layout(head_dim, itemsize)
-    per_head = max(cost.dense_row_bytes(head_dim, itemsize) * context, int(layout.dense_stream_bytes(context)))
-    return layers * num_kv_heads * per_head
-
-
-def _pooled(lp: LayerPlan, layout: Layout, kept: int, after: list[int]) -> int:
-    """Most bytes one KV head's stream of a pooled layer holds after its context: `kept` rows,
-    then `after` rows joining in turn (dense blocks, or quant groups and a dense tail)."""
-    if lp.quant is None:
-        return int(layout.dense_stream_bytes(kept + sum(after)))
-    q = lp.quant
-    worst = layout.quant_stream_held(kept, q.bits, q.residual)
-    if after:
-        before = kept + np.cumsum([0, *after[:-1]])
-        worst = max(worst, layout.quant_stream_bytes(before, np.asarray(after), q.bits, q.residual).max())
-    return int(worst)
+    lay = Layout(head_dim, itemsize)
+    return int(layers * num_kv_heads * lay.dense_pages(0, context) * lay.page_bytes)
 
 
 def kept_per_head(lp: LayerPlan, context: int) -> int:
@@ -80,45 +70,52 @@ def kept_per_head(lp: LayerPlan, context: int) -> int:
     return sinks + window + max(0, min(keep, context - window - sinks))
 
 
-def _evicted(lp: LayerPlan, shape, context: int, after: list[int]) -> int:
-    hk, hq, d, itemsize = shape
-    hn = hq // hk
-    per_head = kept_per_head(lp, context)
-    repeat = lp.eviction is not None and lp.eviction.gqa_mode == "repeat" and hn > 1
-    u = min(context, hn * per_head) if repeat else per_head              # rows a KV group stores
+def coded_pages(lay: Layout, rows: int, entries: int) -> int:
+    """Pages of `rows` coded rows over `entries` entries of each part (K and V)."""
+    return int(ceil_div(rows, lay.coded_rows) + 2 * ceil_div(entries, lay.entry_rows))
+
+
+def _layer(lay: Layout, lp: LayerPlan, context: int, after: list[int], hn: int) -> int:
+    """Most pages one KV head's stream of a layer holds after its context (full, evicted, quant,
+    per-query-head eviction, codebook)."""
+    kept = kept_per_head(lp, context)
     added = sum(after)
-    if lp.quant is not None:
-        q = lp.quant
-        steps = u + np.cumsum([0, *after])
-        return int(hk * cost.quant_bytes(steps, q.bits, q.group_size, q.residual, d, itemsize).max())
-    rows = cost.capacities(u, u, after)[-1] if after else u
-    total = hk * rows * cost.dense_row_bytes(d, itemsize)
-    if repeat:                                                           # a byte per query head and column
-        total += hk * hn * rows
-    if lp.codebook is not None:                                          # coded rows' extras, indices widened
-        total += hk * (added * cost.coded_row_bytes(d, itemsize) + 2 * 3 * (min(context, 2 * hn * per_head) + added))
-    return total
+    repeat = lp.eviction is not None and lp.eviction.gqa_mode == "repeat" and hn > 1
+    if lp.codebook is not None or repeat:
+        union = min(context, hn * kept) if repeat else kept
+        return coded_pages(lay, union, union) + int(lay.dense_pages(0, added))
+    if lp.quant is None:
+        return int(lay.dense_pages(0, kept + added))
+    return _quant(lay, lay.group_rows(lp.quant.bits), lp.quant.residual, kept, after)
 
 
-def _merge(lp: LayerPlan, shape, context: int, after: list[int]) -> int:
-    """The upper layer of a merged pair holds the pair: per K and V, unit directions [N, W], both
-    layers' magnitudes [2, N], the retained rows of both [2, M, W] and their int32 indices;
-    every later row counted as retained."""
-    hk, _, d, itemsize = shape
-    w, added = hk * d, sum(after)
-    n = context + added
-    total = 0
-    for share in (lp.merge.retention_k, lp.merge.retention_v):
-        m = math.ceil(share * context) + added
-        total += n * w * itemsize + 2 * n * itemsize + m * (4 + 2 * w * itemsize)
-    return total
+def _quant(lay: Layout, g: int, residual: int, kept: int, after: list[int]) -> int:
+    worst = int(lay.quant_pages_held(kept, g, residual))
+    if after:
+        before = kept + np.cumsum([0, *after[:-1]])
+        worst = max(worst, int(lay.quant_pages_during(before, np.asarray(after), g, residual).max()))
+    return worst
 
 
-def _offload(off, shape, context: int, after: list[int]) -> int:
-    hk, _, d, itemsize = shape
-    tokens = context + sum(after)
-    seals = 1 + sum(1 for m in after if m > 1)                 # each multi-row call pads a key group
-    low = max(cost.lowbit_bytes(t, hk, d, off.low_bits, off.group_size, off.recent_window,
-                                off.recent_window + off.group_size - 1, off.value_group_size, seals, itemsize)
-              for t in (context, tokens))
-    return low + cost.offload_fixed_bytes(off.sink_tokens, off.top_k, hk, d, tokens, itemsize)
+def _merged(lay: Layout, mg, context: int, added: int, upper: bool) -> int:
+    """One KV head's stream of a merged pair's layer: coded rows over the context, the retained
+    rows (for K or for V) and the added ones dense; the upper layer holds the shared directions."""
+    retained = min(context, math.ceil(mg.retention_k * context) + math.ceil(mg.retention_v * context))
+    pages = int(ceil_div(context, lay.coded_rows) + lay.dense_pages(0, retained + added))
+    return pages + (int(2 * ceil_div(context, lay.entry_rows)) if upper else 0)
+
+
+def offload_form(lay: Layout, off: OffloadPlan) -> int:
+    """The quant form id of an offload part's low-bit copy (ValueError where the pool has none)."""
+    if off.group_size != OFFLOAD_KEY_GROUP:
+        raise ValueError(f"offload group_size {off.group_size}: the pool keeps SpeCache's keys in groups of "
+                         f"{OFFLOAD_KEY_GROUP} rows")
+    return lay.form_id(off.low_bits, OFFLOAD_KEY_GROUP, min(off.value_group_size, lay.head_dim))
+
+
+def offload_pages(lay: Layout, off: OffloadPlan, context: int, after: list[int]) -> int:
+    """Most pages one KV head's stream of an offload layer holds after its context: its low-bit
+    copy at its worst step, its sinks' and prefetch slots' coded rows and entries, a skip page."""
+    g = lay.quant_forms[offload_form(lay, off)].rows
+    slots = off.sink_tokens + off.top_k
+    return _quant(lay, g, off.recent_window, context, after) + coded_pages(lay, slots, slots) + 1

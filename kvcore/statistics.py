@@ -67,23 +67,33 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
 def similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Generator) -> float:
     """x [H_kv, T, D] -> share of (row, other row) pairs with cosine > theta, over `sample`
     sampled rows against 4·`sample` sampled rows (every pair when T is that small)."""
+    return float(_similar_share(x, theta, sample, gen))
+
+
+def _similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Generator) -> torch.Tensor:
+    """`similar_share` as a 0-d tensor on x's device (nothing read back; the sample is drawn on the CPU)."""
     hk, t, _ = x.shape
     if t < 2:
-        return 0.0
+        return torch.zeros((), device=x.device)
     rows = torch.randperm(t, generator=gen)[:min(sample, t)].to(x.device)                     # [S]
     cols = torch.randperm(t, generator=gen)[:min(4 * sample, t)].to(x.device)                 # [C]
     cos = torch.einsum("hsd,hcd->hsc", F.normalize(x[:, rows].float(), dim=-1),             # only the rows sampled
                        F.normalize(x[:, cols].float(), dim=-1))                               # [H_kv, S, C]
     other = rows[:, None] != cols[None, :]                                                    # [S, C] not itself
-    return float(((cos > theta) & other).float().sum() / (hk * other.sum()))
+    return ((cos > theta) & other).float().sum() / (hk * other.sum())
 
 
 def angle(a: torch.Tensor, b: torch.Tensor) -> float:
-    """a, b [H_kv, T, D]: the same tokens in two layers -> mean arccos(cos)/π over rows (the
-    cosine from one product and two norms: F.cosine_similarity took 4× as long)."""
+    """a, b [H_kv, T, D]: the same tokens in two layers -> mean arccos(cos)/π over rows."""
+    return float(_angle(a, b))
+
+
+def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`angle` as a 0-d tensor on their device (the cosine from one product and two norms:
+    F.cosine_similarity took 4× as long)."""
     a, b = a.float(), b.float()
     cos = ((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-8)).clamp_(-1.0, 1.0)   # [H_kv, T]
-    return float(torch.arccos(cos).mean() / math.pi)
+    return torch.arccos(cos).mean() / math.pi
 
 
 def _grouped_probs(q: torch.Tensor, k_t: torch.Tensor, causal: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -125,8 +135,8 @@ def _grouped_output(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, causal:
     return torch.bmm(_grouped_probs(q, k_t, causal, scaling), v)
 
 
-def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
-    return float((out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30))
+def _rel(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    return (out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30)                   # 0-d
 
 
 def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
@@ -159,9 +169,10 @@ def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
 
 
 def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_mass: torch.Tensor,
-                 scaling: float, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 scaling: float, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer: q_win [H, Wq, D] the last queries, k [H_kv, T, D] post-RoPE, v [H_kv, T, D],
-    window_mass [H, T] the window's attention -> (evict [F], retained [F], quant [B])."""
+    window_mass [H, T] the window's attention -> (evict [F], retained [F], quant [B]) fp32 on k's
+    device: nothing read back to the host, so a CUDA prefill's layers do not wait on it."""
     wq = q_win.shape[1]
     hk, t, _ = k.shape
     window = min(window, t)
@@ -175,15 +186,16 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
     ranked = scoring.spread(scoring.pool(mass, POOL), SPAN)[:, sinks:t - window]            # [H_kv, n_ctx]
     order = ranked.argsort(dim=-1, descending=True) + sinks                                 # best first
-    base = torch.cat([torch.arange(sinks), torch.arange(t - window, t)]).to(k.device)       # kept by every share
+    base = torch.cat([torch.arange(sinks, device=k.device), torch.arange(t - window, t, device=k.device)])  # kept by all
     counts = [round(f * n_ctx) for f in FRACTIONS]
-    evict = [0.0 if c == n_ctx else _rel(out, exact)                                        # all kept: exact
+    zero = exact.new_zeros(())
+    evict = [zero if c == n_ctx else _rel(out, exact)                                       # all kept: exact
              for c, out in zip(counts, _nested_outputs(p, v, base, order, counts))]
     held = torch.cat([mass[:, base].sum(-1, keepdim=True), mass.gather(1, order)], dim=1).cumsum(-1)  # [H_kv, 1 + n_ctx]
-    retained = [float(held[:, c].mean()) for c in counts]
+    retained = torch.stack([held[:, c] for c in counts], 1).mean(0)                         # [F] (no index tensor to copy)
     forms = _quantized_forms(k, v)
-    quant = [0.0 if b == 16 else _rel(_grouped_output(q_win, *forms(b), causal, scaling), exact) for b in BITS]
-    return np.array(evict), np.array(retained), np.array(quant)
+    quant = [zero if b == 16 else _rel(_grouped_output(q_win, *forms(b), causal, scaling), exact) for b in BITS]
+    return torch.stack(evict), retained, torch.stack(quant)
 
 
 @dataclass
@@ -227,11 +239,11 @@ class LayerStatistics:
             s = s.view(hk, h // hk, t).mean(1)
         self._scores.append(pooled(s, self.pool_kernel))
         if self.shares:
-            self._k_sim.append(similar_share(k_pre, K_SIMILAR, self.sample, self._gen))
-            self._v_sim.append(similar_share(v, V_SIMILAR, self.sample, self._gen))
+            self._k_sim.append(_similar_share(k_pre, K_SIMILAR, self.sample, self._gen))
+            self._v_sim.append(_similar_share(v, V_SIMILAR, self.sample, self._gen))
         if self._prev is not None:
-            self._k_ang.append(angle(self._prev[0], k_pre))
-            self._v_ang.append(angle(self._prev[1], v))
+            self._k_ang.append(_angle(self._prev[0], k_pre))
+            self._v_ang.append(_angle(self._prev[1], v))
         self._prev = (k_pre, v)
 
     def result(self, seconds: float | None = None) -> "ProbeStats":
@@ -239,13 +251,19 @@ class LayerStatistics:
         lost = self._lost
         return ProbeStats(
             tokens=self.tokens, window_scores=torch.stack(self._scores).float().cpu().numpy(),
-            k_similar=np.array(self._k_sim, np.float32), v_similar=np.array(self._v_sim, np.float32),
-            k_angle=np.array(self._k_ang, np.float32), v_angle=np.array(self._v_ang, np.float32),
+            k_similar=_host(self._k_sim), v_similar=_host(self._v_sim),
+            k_angle=_host(self._k_ang), v_angle=_host(self._v_ang),
             window=min(self.window, self.tokens), seconds=self.spent_s if seconds is None else seconds,
             losses=None if not self.losses else Losses(
-                fractions=np.array(FRACTIONS), evict=np.stack([x[0] for x in lost]),
-                retained=np.stack([x[1] for x in lost]), bits=np.array(BITS), quant=np.stack([x[2] for x in lost])),
+                fractions=np.array(FRACTIONS), evict=_host([x[0] for x in lost], np.float64),
+                retained=_host([x[1] for x in lost], np.float64), bits=np.array(BITS),
+                quant=_host([x[2] for x in lost], np.float64)),
         )
+
+
+def _host(values: list, dtype=np.float32) -> np.ndarray:
+    """Per-layer tensors on the gathering device -> one array on the host (one copy for all layers)."""
+    return torch.stack(values).cpu().numpy().astype(dtype) if values else np.zeros(0, dtype)
 
 
 # -- on the wire (PlanRequest.stats) -------------------------------------------------------------

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcore.blocks import BLOCK_ROWS, Layout
+from kvcore.blocks import BLOCK_ROWS, Layout, quant_shape
 from kvcore.cost import dense_row_bytes
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
-from kvcore.statistics import POOL, QUANT_GROUP, SINKS, SPAN
+from kvcore.statistics import POOL, SINKS, SPAN
 from kvcore.request import InvalidRequest
 from planner.request import PlanInput
 from planner.strategy import Strategy
@@ -39,8 +39,8 @@ STORAGE_BYTES = 2
 def lifetime_bytes(kept: float, bits: int, head_dim: int, added: np.ndarray) -> np.ndarray:
     """Bytes one KV head holds after each step of the job (`planner.budget`: the budget holds
     between steps, as it is measured), as the executor's pool stores it (`kvcore.blocks`): its
-    `kept` prompt tokens plus the rows added so far, in whole dense blocks, or (a quant layer) in
-    KIVI groups of QUANT_GROUP with at least RESIDUAL newest rows dense. (Within a step a quant
+    `kept` prompt tokens plus the rows added so far, in whole dense pages, or (a quant layer) in
+    KIVI groups of a page each (`kvcore.blocks.quant_shape`) with at least RESIDUAL newest rows dense. (Within a step a quant
     layer briefly holds a new group beside the rows it came from; the executor reserves that
     too: `kvcore.plan_cost`.) added: [S + 1] rows added after each step (0 first) -> [S + 1]."""
     lay = Layout(head_dim, STORAGE_BYTES)
@@ -91,7 +91,8 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
         ev = None if keep >= n_ctx else Eviction(keep_tokens=keep, window=window, pool_kernel=POOL, scorer="snapkv",
                                                   gqa_mode="mean", sink_tokens=sinks, span_tokens=SPAN)
         layers.append(LayerPlan(layer=i, eviction=ev,
-                                quant=None if bits == 16 else Quant(bits=bits, group_size=QUANT_GROUP, residual=RESIDUAL)))
+                                quant=None if bits == 16 else Quant(bits=bits, group_size=quant_shape(bits, d)[0],
+                                                                         residual=RESIDUAL)))
         retained.append(lo.retained[i, fi])
     worst = (by_step[got.option].sum(0)
              / (m * hk * (l + added) * row)).max()                                          # the job's most, as a ratio

@@ -41,8 +41,10 @@ from kvcore import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
-from kvcore.blocks import BLOCK_ROWS, QUANT_BITS, QUANT_GROUP
-from planner.budget import CODED_ROW_BYTES, context_ratio, fits_full, holds, row_cost
+from kvcore.blocks import BLOCK_ROWS, quant_shape
+
+CODED_ROW_SHARE = 17 / 256      # a coded row's fields in the pool against a dense fp16 row at head dim 64
+from planner.budget import context_ratio, fits_full, holds, row_cost
 from planner.definition import Definition
 from kvcore.request import InvalidRequest
 from planner.request import PlanInput
@@ -123,19 +125,13 @@ class Composed:
         return Budgets(ALLOCATIONS[self.d.allocation](r, l, sinks + window, m), sinks, window)
 
     def block(self, inp: PlanInput) -> int:
-        """Rows of the blocks the executor's pool stores this strategy's layers in, or 0 where its
-        layers are cache layers of their own (`kvcore.blocks.pooled_layers`)."""
-        d, shape = self.d, inp.model
-        per_head = d.eviction is None or d.eviction.gqa_mode == "mean" or shape.num_query_heads == shape.num_kv_heads
-        quant = d.quant is None or (d.quant.bits in QUANT_BITS and d.quant.group_size == QUANT_GROUP)
-        return BLOCK_ROWS if per_head and quant and not (d.codebook or d.merge or d.offload) else 0
+        """Rows of the dense pages the executor's pool stores the rows a job adds in (every layer)."""
+        return BLOCK_ROWS
 
     def added_row_cost(self, inp: PlanInput) -> float:
-        """What a row the job adds after its prompt costs against a dense row (`planner.budget`)."""
-        shape = inp.model
-        hn = shape.num_query_heads // shape.num_kv_heads
-        repeat = self.d.eviction is not None and self.d.eviction.gqa_mode == "repeat" and hn > 1
-        return row_cost(shape.head_dim, mask_bytes=hn if repeat else 0, coded_bytes=CODED_ROW_BYTES if self.d.codebook else 0)
+        """What a row the job adds after its prompt costs against a dense row (`planner.budget`):
+        one dense row, whatever the layer's form (added rows are kept exact)."""
+        return row_cost(inp.model.head_dim)
 
     def _eviction(self, keep: int, sinks: int, window: int, l: int) -> Eviction | None:
         if sinks + window + keep >= l:   # nothing would be evicted: no scoring, no index
@@ -173,12 +169,17 @@ def merged_share(mg, w: int) -> float:
 
 
 def _held(lp: LayerPlan, l: int) -> float:
-    """Tokens' worth of dense fp16 K/V rows an unmerged layer is predicted to hold (l = full)."""
+    """Tokens' worth of dense fp16 K/V rows an unmerged layer is predicted to hold (l = full): a
+    quant layer's rows a page per group (`kvcore.blocks.quant_shape`: g rows in 16 rows' bytes),
+    a coded layer's (codebook, per-query-head eviction) exact rows and their fields (17 bytes a row
+    against a dense row's 4·64)."""
     ev = lp.eviction
     kept = min(l, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else l
     if lp.quant:
         q = lp.quant
-        return min(kept, q.residual) + max(0, kept - q.residual) * (q.bits + 32 / q.group_size) / 16
+        return min(kept, q.residual) + max(0, kept - q.residual) * BLOCK_ROWS / quant_shape(q.bits)[0]
+    if lp.codebook or (ev is not None and ev.gqa_mode == "repeat"):
+        return kept * (1 + CODED_ROW_SHARE)
     return kept
 
 

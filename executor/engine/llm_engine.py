@@ -21,8 +21,8 @@ import torch
 from cachestore.handle import LocalHandle
 from executor.engine.kv_budget import KVBudget, Usage
 from executor.engine.model_runner import ModelRunner
-from executor.engine.scheduler import Scheduler
-from executor.engine.sequence import Sampling, Sequence, Status, prefill_parts
+from executor.engine.scheduler import Scheduler, Segment
+from executor.engine.sequence import Phase, Sampling, Sequence, Status, generated_parts, prefill_parts
 from executor.engine.shrink import Shrink, dense_plan
 from executor.prompt import Prompt
 from kvcore import offload_budget, plan_cost
@@ -43,6 +43,7 @@ class StepStats:
     tokens: Counter = field(default_factory=Counter)
     longest: Counter = field(default_factory=Counter)   # the longest step of each kind, seconds
     most_running: int = 0
+    preempted: int = 0                               # sequences preempted for pages (a defect: logged as errors)
     last: tuple[str, float, int] = ("", 0.0, 0)      # the last step's (kind, seconds, tokens)
 
     def add(self, segments, tokens: int, seconds: float) -> None:
@@ -130,13 +131,9 @@ class LLMEngine:
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, prompt, sampling))
         own = store is None and plan.offload.enabled
         store = LocalHandle() if own else store
-        cache = self.runner.new_cache(plan, store)
-        cache.state.context_tokens = len(prompt.context_ids)
-        cache.state.wait_s = self.prefetch_wait_s
-        cache.state.recall = [] if plan.offload.enabled and measure_recall else None
+        cache = self.runner.new_cache(plan)
         if statistics is not None:
-            cache.state.stats, cache.state.queries = statistics, []
-            parts = prefill_parts(prompt, self.chunk, statistics.keep_queries, last="stats")
+            parts = prefill_parts(prompt, self.chunk, statistics.keep_queries, last=Phase.STATS)
         else:
             parts = prefill_parts(prompt, self.chunk, cache.max_window)
         done = 0
@@ -147,7 +144,9 @@ class LLMEngine:
         self.budget.check_fits_at_all(need)
         return Sequence(prompt, plan, sampling, cache, parts, self.lm.tokenizer, emit, cancelled, store, job_id,
                         tenant=tenant, planned_after=statistics is not None, reserved=need, done_tokens=done,
-                        own_store=own)
+                        own_store=own, stats=statistics, queries=[] if statistics is not None else None,
+                        recall=[] if plan.offload.enabled and measure_recall else None,
+                        prefetch_wait_s=self.prefetch_wait_s)
 
     def add(self, seq: Sequence) -> None:
         """Hand a sequence to the engine (any thread); it waits until its reservation fits."""
@@ -166,9 +165,9 @@ class LLMEngine:
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
         if plan.offload.enabled and store is None:
             store, seq.own_store = LocalHandle(), True
-        queries = seq.cache.state.queries
-        self.runner.rebuild(seq.cache, plan, store, queries, self.prefetch_wait_s)   # the context only: nothing to append
+        queries = seq.queries
         seq.plan, seq.store = plan, store
+        self.runner.rebuild(seq, plan, queries)          # the context only: nothing to append
         seq.queries = queries if dense_plan(plan) else None     # a later shrink compresses with them
         self.scheduler.planned(seq)
 
@@ -200,8 +199,8 @@ class LLMEngine:
             return
         plan = dataclasses.replace(plan, predicted_kv_bytes=self.plan_bytes(plan, seq.prompt, seq.sampling))
         before, reserved = seq.kv_bytes(), seq.reserved
-        self.runner.rebuild(seq.cache, plan, None, seq.queries, self.prefetch_wait_s)
-        seq.plan, seq.queries = plan, None
+        queries, seq.plan, seq.queries = seq.queries, plan, None
+        self.runner.rebuild(seq, plan, queries)
         self.scheduler.shrunk(seq)
         seq.shrinks.append(Shrink(plan.budget_ratio, len(seq.generated), before, seq.kv_bytes(), reserved,
                                   seq.reserved))
@@ -224,7 +223,7 @@ class LLMEngine:
         while not self.shrinks.empty():
             self._shrink(*self.shrinks.get())
         t0, self.stats.last = time.perf_counter(), ("", 0.0, 0)
-        segments = self.scheduler.schedule()
+        segments = self._fit(self.scheduler.schedule())
         outputs = self.runner.run(segments) if segments else []
         before = sum(len(seg.seq.generated) for seg in segments)
         finished = self.scheduler.postprocess(segments, outputs)
@@ -237,9 +236,47 @@ class LLMEngine:
         self.usage = self.budget.observe(self.measured())
         return finished
 
+    # -- a step the pool can serve --------------------------------------------------------------
+    def _fit(self, segments: list[Segment]) -> list[Segment]:
+        """The step's segments once the pool holds the pages they take (`ModelRunner.pages_due`).
+        Reservations make this always so; where it is not (a defect of the cost model) the newest
+        sequence is preempted — its pages freed, it recomputed later — and the step goes on without
+        it: no sequence of the step fails for another's pages."""
+        while segments and self.runner.pages_due(segments) > self.runner.pool.free_pages:
+            need, victim = self.runner.pages_due(segments), self.scheduler.newest()
+            if victim is None or len(self.scheduler.running) == 1:     # nothing else holds pages to wait for
+                seq = victim or segments[0].seq
+                log.error("job %s: the KV pool cannot serve its step even alone (%d pages due, %d free): failing it",
+                          seq.job_id, need, self.runner.pool.free_pages)
+                self.scheduler.abort(seq, "failed")
+            else:
+                seq = victim
+                self._preempt(victim, need)
+            segments = [s for s in segments if s.seq is not seq]
+        return segments
+
+    def _preempt(self, seq: Sequence, need: int) -> None:
+        """Give back a running sequence's pages and requeue it to be recomputed: its prompt and the
+        tokens it generated so far prefilled again under its plan (nothing is sampled twice)."""
+        log.error("job %s: preempted: the KV pool has %d free pages, the step needs %d (a reservation "
+                  "under-counted); it is recomputed once there is room", seq.job_id, self.runner.pool.free_pages, need)
+        self.scheduler.preempt(seq)
+        self.stats.preempted += 1
+        seq.preemptions += 1
+        if seq.own_store:
+            seq.store.release()
+            seq.store = LocalHandle()
+        cache = self.runner.new_cache(seq.plan)
+        seq.cache, seq.queries, seq.guess, seq.stats = cache, None, None, None
+        seq.acc, seq.offload_state = {}, {}
+        seq.parts = (prefill_parts(seq.prompt, self.chunk, cache.max_window)
+                     + generated_parts(seq.prompt, seq.generated, self.chunk))
+        seq.done_tokens = 0
+        seq.reserved = self.reservation(seq.plan, seq.prompt, seq.sampling)
+
     def measured(self) -> int:
-        """Bytes the running sequences hold: the pool's blocks in use and their cache layers' tensors."""
-        return self.runner.pool.bytes_in_use + sum(seq.cache.own_bytes() for seq in self.scheduler.running)
+        """Bytes the running sequences hold: the pool's pages in use."""
+        return self.runner.pool.bytes_in_use
 
     def run_all(self) -> list[Sequence]:
         """Step until every added sequence ended (benches, tests) -> them, in the order they ended."""

@@ -1,37 +1,40 @@
 """One forward per step over every scheduled row, like nano-vllm's: the segments packed into N rows
 (each at its own positions), the decoder's own layers run here (norms, projections, RoPE, MLP:
 the loaded model's modules, batched over all N rows), and at each layer one attention call for
-every decode row whose layer is pooled — all forms, all sequences (`kernels.paged_decode`) —
-with the step's block tables built once (`BlockTables.extend`, `decode_view`).
+every decode row of the step — all storage forms, all sequences (`kernels.paged_decode`; a second
+call only for SpeCache's two-row steps) — with the step's tables built once
+(`BlockTables.extend`, `decode_view`).
 
-Rows that are not such decode rows attend per segment: a prefill part over its layer's dense
-rows (or, after compression, its kept rows), a layer the pool does not hold through its own cache
-layer (`executor.layers`, under the sequence's `CacheState` phase for this forward). A pooled
-layer's last context chunk compresses it in place (`executor.engine.compression`) or gathers the
-statistics its plan will come from.
+Prefill parts attend per segment: a context chunk over its layer's dense rows (H2O accumulating
+the attention it pays; the last chunk then compresses the layer with its plan's press,
+`executor.presses`, or gathers the statistics a later plan comes from); a part after the context
+(the question, or a recomputed sequence's generated tokens) over the stream's rows as they are
+stored, its own rows causal.
 
 Shapes: N packed rows; H query heads, H_kv KV heads, h_n = H / H_kv, D head dim; V vocabulary."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-from executor.attention import group_attention
-from kvcore.attention import causal_attention
-from executor.cache import PlannedCache
-from executor.engine.compression import compress, gather
 from executor.engine.block_tables import BlockTables, StepTables, Writes
+from executor.engine.compression import gather
+from executor.engine.cuda_graph import DecodeGraphs
 from executor.engine.kv_pool import KVPool
 from executor.engine.sampler import logprobs, sample
 from executor.engine.scheduler import Output, Segment
 from executor.engine.seq_cache import SeqCache
+from executor.engine.sequence import Phase
+from executor.presses import offload
+from executor.presses.context import PressContext
+from executor.presses.registry import PRESSES, check, kind
 from kernels import cpu_extension
 from kernels import decoder_ops as ops
 from kernels.paged_decode import paged_decode
 from kvcore import scoring
+from kvcore.attention import causal_attention
 from kvcore.blocks import Layout
 from kvplan.model import LoadedModel
 from kvplan.plan import CompressionPlan
@@ -40,15 +43,22 @@ POOL_SHARE = 0.5          # of the memory available, the most a pool takes when 
 
 
 @dataclass
+class DecodeGroup:
+    """Decode segments of one row count (1, or SpeCache's 2), attended in one call per layer."""
+    index: list[int]                      # their segments
+    rows: torch.Tensor                    # [S_d, r] their rows in the step
+    tables: StepTables
+
+
+@dataclass
 class StepPlan:
-    """What one forward needs to know, built once: rows, positions, writes and decode tables."""
+    """What one forward needs to know, built once: rows, writes and decode tables."""
     segments: list[Segment]
     spans: list[tuple[int, int]]
     writes: Writes
-    decode: list[int]                     # segments whose row attends in the batched call
-    decode_rows: torch.Tensor | None      # [S_d] their rows
-    tables: StepTables | None
-    all_decode: bool = False              # every row is one of them, in segment order
+    groups: list[DecodeGroup]
+    prefills: list[int]                   # segments that attend per segment
+
 
 class ModelRunner:
     def __init__(self, lm: LoadedModel, storage_dtype: torch.dtype, budget_bytes: int, max_seqs: int = 64):
@@ -61,6 +71,9 @@ class ModelRunner:
         self.layout = Layout(lm.head_dim, storage_dtype.itemsize)
         self.pool = KVPool(self.layout, self.pool_bytes(budget_bytes, lm.device), lm.device)
         self.tables = BlockTables(self.pool, lm.num_layers, lm.num_kv_heads, max_seqs + 8, lm.max_context + 64)
+        self.rope_tables = self._rope_tables(lm.max_context + 64)
+        self.press = PressContext(self.tables, lm.num_query_heads, self.scaling, self.rope, self.rope_tables)
+        self.graphs = DecodeGraphs(self, max_seqs)
         if lm.device.type == "cpu" and storage_dtype == torch.float16:
             cpu_extension.build()        # the decode kernels now (a first build compiles them), not at a job's first token
 
@@ -71,22 +84,33 @@ class ModelRunner:
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
         return min(budget_bytes, int(POOL_SHARE * free))
 
-    def new_legacy(self, plan: CompressionPlan, store=None) -> PlannedCache:
-        """The cache layers of the plan's layers the pool does not hold (and the job's state)."""
+    def _rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D] fp32 of every position: what coded pre-RoPE keys are turned by."""
+        m = self.lm.model.model
+        x = torch.zeros(1, 1, self.lm.head_dim, device=self.lm.device)
+        cos, sin = m.rotary_emb(x, torch.arange(positions, device=self.lm.device)[None])
+        return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+    def new_cache(self, plan: CompressionPlan) -> SeqCache:
+        """A sequence's cache; it takes its slot when admitted (`SeqCache.open`). A plan the pool
+        cannot hold is refused here, before any work (`executor.presses.check`)."""
         lm = self.lm
-        return PlannedCache(plan, lm.num_layers, lm.num_kv_heads, lm.head_dim, self.storage_dtype,
-                            lm.num_query_heads, self.rope, store)
+        check(plan, lm.num_layers, lm.num_query_heads, lm.num_kv_heads, self.layout)
+        return SeqCache(plan, self.tables, lm.num_kv_heads, lm.head_dim)
 
-    def new_cache(self, plan: CompressionPlan, store=None) -> SeqCache:
-        """A sequence's cache; it takes its slot when admitted (`SeqCache.open`)."""
-        lm, legacy = self.lm, self.new_legacy(plan, store)
-        return SeqCache(plan, self.tables, legacy, lm.num_query_heads, lm.num_kv_heads, lm.model.dtype)
-
-    def rebuild(self, cache: SeqCache, plan: CompressionPlan, store, queries: list, wait_s: float) -> None:
-        """A dense running cache under a later plan (`SeqCache.rebuild`), its cache layers new."""
-        legacy = self.new_legacy(plan, store)
-        legacy.state.wait_s = wait_s
-        cache.rebuild(plan, legacy, queries, self.scaling)
+    @torch.inference_mode()
+    def rebuild(self, seq, plan: CompressionPlan, queries: list[torch.Tensor]) -> None:
+        """A dense running cache (every layer full: a plan that came after the context, or a
+        shrink) under `plan`: each layer's context rows [0, C) compressed with the context's last
+        queries [m] of [H, W, D] by its press, the rows fed since [C, T) joining after them, in
+        layer order (a merged pair's lower first)."""
+        c, dtype = seq.context_tokens, self.lm.model.dtype
+        seq.cache.plan = plan
+        for i, lp in enumerate(plan.layers):
+            k, v = self.tables.dense(i, seq.cache.slot)                               # [H_kv, T, D] stored dtype
+            k, v = k.to(dtype), v.to(dtype)
+            later = (k[:, c:], v[:, c:]) if k.shape[1] > c else (None, None)
+            PRESSES[kind(plan, i)](self.press, seq, i, lp, queries[i], k[:, :c], v[:, :c], *later)
 
     # -- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -105,32 +129,57 @@ class ModelRunner:
             top_p = torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32, device=logits.device)
             ids = sample(picked, temps, top_p, [s.gen for s in seqs])
             tokens = {i: tok for (i, _), tok in zip(sampled, ids)}
+            for j, s in enumerate(seqs):
+                if s.step_logits is not None:
+                    s.step_logits.append(picked[j].float().cpu())
             want = [j for j, s in enumerate(seqs) if s.sampling.logprobs is not None]
             if want:                                  # the jobs that asked: their tokens' log-probabilities
                 got = logprobs(picked[want], [ids[j] for j in want], max(seqs[j].sampling.logprobs for j in want))
                 lps = {sampled[j][0]: (lp, top[:seqs[j].sampling.logprobs], vals[:seqs[j].sampling.logprobs])
                        for j, (lp, top, vals) in zip(want, got)}
-        guesses = [i for i, seg in enumerate(segments) if seg.phase in ("predecode", "spec")]
+        guesses = [i for i, seg in enumerate(segments) if seg.phase in (Phase.PREDECODE, Phase.SPEC)]
         best = {i: int(logits[at + keep - 1].argmax()) for i in guesses for at, keep in [rows[i]]}
         return [Output(tokens.get(i), best.get(i), lps.get(i)) for i in range(len(segments))]
+
+    @staticmethod
+    def stored(seg: Segment) -> int:
+        """Rows of a segment its streams keep: all, but for SpeCache's steps (its guess, its
+        pre-decoding row: none)."""
+        return 0 if seg.phase is Phase.PREDECODE else 1 if seg.phase is Phase.SPEC else len(seg.ids)
+
+    def pages_due(self, segments: list[Segment]) -> int:
+        """Pages the step's new rows take in the pool (`BlockTables.pages_due`)."""
+        return self.tables.pages_due([seg.seq.cache.slot for seg in segments], [self.stored(s) for s in segments])
 
     def plan_step(self, segments: list[Segment]) -> StepPlan:
         spans, at = [], 0
         for seg in segments:
             spans.append((at, at + len(seg.ids)))
             at += len(seg.ids)
-        caches = [seg.seq.cache for seg in segments]
-        writes = self.tables.extend([c.slot for c in caches], [len(seg.ids) for seg in segments])
-        decode = [i for i, seg in enumerate(segments)
-                  if seg.decode and seg.phase == "after" and len(seg.ids) == 1 and any(caches[i].pooled)]
-        tables = rows = None
-        if decode:
-            tables = self.tables.decode_view([caches[i].slot for i in decode], self.lm.device)
-            rows = torch.tensor([spans[i][0] for i in decode], device=self.lm.device)
-        return StepPlan(segments, spans, writes, decode, rows, tables, len(decode) == len(segments))
+        slots = [seg.seq.cache.slot for seg in segments]
+        writes = self.tables.extend(slots, [len(seg.ids) for seg in segments], [self.stored(s) for s in segments])
+        groups, prefills = [], []
+        by_rows: dict[int, list[int]] = {}
+        for i, seg in enumerate(segments):
+            if seg.decode:
+                by_rows.setdefault(len(seg.ids), []).append(i)
+            else:
+                prefills.append(i)
+        dev = self.lm.device
+        for r, index in sorted(by_rows.items()):
+            rows = torch.tensor([[spans[i][0] + j for j in range(r)] for i in index], device=dev)
+            groups.append(DecodeGroup(index, rows, self.tables.decode_view([slots[i] for i in index], dev)))
+        return StepPlan(segments, spans, writes, groups, prefills)
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """-> the logits of every segment's last `keep` rows, in segment order: [K, V]."""
+        """-> the logits of every segment's last `keep` rows, in segment order: [K, V]. A decode
+        step on CUDA replays a captured graph (`executor.engine.cuda_graph`)."""
+        if self.graphs.usable(segments):
+            logits = self.graphs.run(segments)
+            self.tables.flush([seg.seq.cache.slot for seg in segments])
+            for seg in segments:
+                seg.seq.cache.tokens_seen += 1
+            return logits
         ids, pos, keep = [], [], []
         for seg in segments:
             ids += seg.ids
@@ -138,14 +187,12 @@ class ModelRunner:
             keep += range(len(ids) - seg.keep, len(ids))
         step = self.plan_step(segments)
         dev = self.lm.device
-        with self._phases(segments):
-            logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
-                                torch.tensor(keep or [len(ids) - 1], device=dev),
-                                lambda layer, q, k, v: self.attend(step, layer, q, k, v))
-        caches = [seg.seq.cache for seg in segments]
-        self.tables.flush([c.slot for c in caches if any(c.pooled)])
-        for seg, c in zip(segments, caches):
-            c.tokens_seen += len(seg.ids) if seg.phase != "predecode" else 0
+        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                            torch.tensor(keep or [len(ids) - 1], device=dev),
+                            lambda layer, q, k, v: self.attend(step, layer, q, k, v))
+        self.tables.flush([seg.seq.cache.slot for seg in segments])
+        for seg in segments:
+            seg.seq.cache.tokens_seen += self.stored(seg)
         return logits[:len(keep)]
 
     def model(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, attend) -> torch.Tensor:
@@ -177,94 +224,102 @@ class ModelRunner:
     def attend(self, step: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer's attention for every row of the step -> [N, H, D]."""
         self.tables.write(step.writes, layer, k, v)
-        if step.all_decode and step.tables.all_paged[layer]:        # a decode step: every row in one call
-            hk = self.lm.num_kv_heads
-            return paged_decode(q.view(-1, q.shape[1] // hk, q.shape[2]), self.pool.arena, *step.tables.layers[layer],
-                                self.layout, self.scaling).view(q.shape).to(q.dtype)
         out = torch.empty_like(q)
-        batched = set()
-        if step.decode:
-            batched = self._decode(step, layer, q, out)
-        for i, seg in enumerate(step.segments):
-            if i in batched:
-                continue
+        for grp in step.groups:
+            self._decode(step, grp, layer, q, k, v, out)
+        for i in step.prefills:
             a, b = step.spans[i]
-            cache = seg.seq.cache
-            if cache.pooled[layer]:
-                out[a:b] = self._pooled(seg, layer, q[a:b])
-            else:
-                out[a:b] = self._own(cache.legacy.layers[layer], q[a:b], k[a:b], v[a:b])
+            out[a:b] = self._prefill(step.segments[i], layer, q[a:b], k[a:b], v[a:b])
         return out
 
-    def _decode(self, step: StepPlan, layer: int, q: torch.Tensor, out: torch.Tensor) -> set[int]:
-        """The decode rows whose layer is pooled, in one kernel call -> their segments."""
-        st, hk = step.tables, self.lm.num_kv_heads
-        hn, d = q.shape[1] // hk, q.shape[2]
-        if st.all_paged[layer]:
-            sel, rows, tables = step.decode, step.decode_rows, st.layers[layer]
-        else:
-            which = st.paged[layer].nonzero()[:, 0]
-            if not which.numel():
-                return set()
-            sel = [step.decode[i] for i in which.tolist()]
-            rows = step.decode_rows[which.to(step.decode_rows.device)]
-            streams = (which[:, None] * hk + torch.arange(hk)).reshape(-1).to(st.dtable.device)
-            tables = [t.index_select(0, streams) for t in st.layers[layer]]
-        res = paged_decode(q.index_select(0, rows).view(-1, hn, d), self.pool.arena, *tables,
-                           self.layout, self.scaling)                                   # [S_d·H_kv, h_n, D]
-        out.index_copy_(0, rows, res.view(len(sel), -1, d).to(q.dtype))
-        return set(sel)
+    def _decode(self, step: StepPlan, grp: DecodeGroup, layer: int, q, k, v, out) -> None:
+        """A group's decode rows in one kernel call over every form: q rows [S_d, r] -> out."""
+        lm = self.lm
+        hk, hn, d = lm.num_kv_heads, lm.num_query_heads // lm.num_kv_heads, lm.head_dim
+        segs = [step.segments[i] for i in grp.index]
+        for seg in segs:
+            if seg.phase is Phase.SPEC:                                   # the rows prefetched for this step
+                offload.place(self.press, seg.seq, layer, seg.seq.steps + 1)
+        s, r = grp.rows.shape
+        flat = grp.rows.reshape(-1)
+        qg = q.index_select(0, flat).view(s, r, hk, hn, d).permute(0, 2, 1, 3, 4).reshape(s * hk, r * hn, d)
+        res, lse = paged_decode(qg, self.pool.arena, *grp.tables.layer(layer), self.layout, self.scaling,
+                                self.rope_tables, group_heads=hn)                 # [S_d·H_kv, r·h_n, D]
+        if any(seg.phase in (Phase.SPEC, Phase.PREDECODE) for seg in segs):
+            self._speculate(segs, layer, qg, res, lse, k, v, grp)
+        res = res.view(s, hk, r, hn, d).permute(0, 2, 1, 3, 4).reshape(s * r, hk * hn, d)
+        out.index_copy_(0, flat, res.to(q.dtype))
 
-    def _pooled(self, seg: Segment, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """A pooled layer's rows of one segment (its K/V already written): q [m, H, D] -> [m, H, D]."""
-        cache = seg.seq.cache
-        lp, s, tables = cache.plan.layers[layer], cache.slot, self.tables
-        if seg.phase == "after" and (lp.eviction is not None or lp.quant is not None):
-            return self._compressed(cache, layer, q)
-        k, v = tables.dense(layer, s)                                                  # [H_kv, T, D] stored
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    def _speculate(self, segs: list[Segment], layer: int, qg, res, lse, k_new, v_new, grp: DecodeGroup) -> None:
+        """SpeCache after a decode call (res, lse [S_d·H_kv, r·h_n, …] in place): the guess row (the
+        second of a SPEC step) adds its own row, which is not stored; the real row's K/V goes to the
+        store; the guess's attention (or a pre-decoding row's) picks the next step's rows to prefetch.
+        k_new, v_new [N, H_kv, D]: the step's new rows."""
+        hk, hn = self.lm.num_kv_heads, self.lm.num_query_heads // self.lm.num_kv_heads
+        for j, seg in enumerate(segs):
+            at = slice(j * hk, (j + 1) * hk)
+            if seg.phase is Phase.SPEC:
+                real, guess = int(grp.rows[j, 0]), int(grp.rows[j, 1])
+                own = torch.einsum("hjd,hd->hj", qg[at, hn:].float(), k_new[guess].float()) * self.scaling  # [H_kv, h_n]
+                m = torch.maximum(lse[at, hn:], own)
+                wa, wb = torch.exp(lse[at, hn:] - m), torch.exp(own - m)
+                res[at, hn:] = (res[at, hn:] * wa[..., None] + wb[..., None] * v_new[guess].float()[:, None, :]) \
+                    / (wa + wb)[..., None]
+                lse[at, hn:] = m + torch.log(wa + wb)
+                seg.seq.store.put(layer, k_new[real][:, None].to(self.storage_dtype),
+                                  v_new[real][:, None].to(self.storage_dtype))
+                offload.select(self.press, seg.seq, layer, qg[at, hn:], lse[at, hn:], seg.seq.steps + 2)
+            elif seg.phase is Phase.PREDECODE:
+                offload.select(self.press, seg.seq, layer, qg[at, :hn], lse[at, :hn], 1)
+
+    def _prefill(self, seg: Segment, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+                 ) -> torch.Tensor:
+        """One segment's prefill rows of a layer (their K/V already written): q [m, H, D] -> [m, H, D]."""
+        seq, slot = seg.seq, seg.seq.cache.slot
         qh = q.transpose(0, 1)                                                         # [H, m, D]
+        if not seg.phase.context:
+            return self._after(seg, layer, qh)
+        k, v = self.tables.dense(layer, slot)                                          # [H_kv, T, D] stored
+        k, v = k.to(q.dtype), v.to(q.dtype)
         out = causal_attention(qh[None], k[None], v[None], self.scaling)[0]           # [m, H, D]
-        context = seg.phase in ("context", "compress", "stats")
-        if context and lp.eviction is not None and lp.eviction.scorer == "h2o":
-            cache.acc[layer] = scoring.accumulate_attention(cache.acc.get(layer), qh, k, self.scaling)
-        if seg.phase == "compress":
-            compress(tables, layer, s, lp, qh, k, v, self.scaling, cache.acc.pop(layer, None))
-        elif seg.phase == "stats":
-            gather(cache.state.stats, cache.state.queries, qh, k, v, self.scaling, self.rope)
+        lp = seq.cache.plan.layers[layer]
+        if lp.eviction is not None and lp.eviction.scorer == "h2o":
+            seq.acc[layer] = scoring.accumulate_attention(seq.acc.get(layer), qh, k, self.scaling)
+        if seg.phase is Phase.COMPRESS:
+            plan = seq.cache.plan
+            PRESSES[kind(plan, layer)](self.press, seq, layer, lp, qh, k, v)
+            seq.acc.pop(layer, None)
+        elif seg.phase is Phase.STATS:
+            gather(seq.stats, seq.queries, qh, k, v, self.scaling, self.rope)
         return out
 
-    def _compressed(self, cache: SeqCache, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Rows after compression (a question's part, or a lone decode row outside the batched
-        call): every kept row seen, the new rows causal. q [m, H, D] -> [m, H, D]."""
-        m, h, d = q.shape
-        hk = self.lm.num_kv_heads
-        hn, outs = h // hk, []
+    def _after(self, seg: Segment, layer: int, qh: torch.Tensor) -> torch.Tensor:
+        """Rows after the context (the question, or a recomputed sequence's generated tokens) over
+        every row the stream holds, their own rows causal: qh [H, m, D] -> [m, H, D]. An offload
+        layer reads its exact rows back from the store for this call (the low-bit copy where the
+        store has failed)."""
+        seq, slot, m = seg.seq, seg.seq.cache.slot, qh.shape[1]
+        lm = self.lm
+        hk, hn = lm.num_kv_heads, lm.num_query_heads // lm.num_kv_heads
+        rows = seq.store.read(layer) if seq.offload and seq.store is not None else None
+        outs = []
         for g in range(hk):
-            k, v = self.tables.stream(layer, cache.slot, g)                            # [U, D] fp32
+            if rows is not None:
+                kd, vd = self.tables.dense(layer, slot)
+                k = torch.cat([rows[0][g].float(), kd[g, -m:].float()]).to(qh.device)
+                v = torch.cat([rows[1][g].float(), vd[g, -m:].float()]).to(qh.device)
+                heads = torch.full((k.shape[0],), 0xFF, dtype=torch.uint8)
+            else:
+                k, v, heads = self.tables.stream(layer, slot, g, self.rope_tables)          # [U, D] fp32
             u = k.shape[0]
-            cols = torch.arange(u, device=q.device)
-            mask = (cols[None, :] < u - m) | (cols[None, :] - (u - m) <= torch.arange(m, device=q.device)[:, None])
-            qg = q[:, g * hn:(g + 1) * hn].transpose(0, 1).float()                     # [h_n, m, D]
-            outs.append(group_attention(qg, k.to(q.device), v.to(q.device), mask.expand(hn, m, u), self.scaling))
-        return torch.cat(outs).transpose(0, 1).to(q.dtype)
-
-    def _own(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """A layer the pool does not hold, through its cache layer: q [m, H, D], k, v [m, H_kv, D]."""
-        keys, values = layer.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        return layer.attend(q.transpose(0, 1)[None], keys, values, self.scaling)[0]
-
-    @contextlib.contextmanager
-    def _phases(self, segments: list[Segment]):
-        """Each sequence's cache state under its segment's phase for this forward (`CacheState.running`:
-        AFTER again once it ends, whatever happens); an offload decode's step number with it."""
-        with contextlib.ExitStack() as stack:
-            for seg in segments:
-                step = seg.seq.steps + 1 if seg.phase == "spec" else 0 if seg.phase == "predecode" else None
-                stack.enter_context(seg.seq.cache.state.running(seg.phase, step))
-            yield
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            cols = torch.arange(u, device=qh.device)
+            causal = (cols[None, :] < u - m) | (cols[None, :] - (u - m) <= torch.arange(m, device=qh.device)[:, None])
+            seen = (heads.to(qh.device)[None, :] & (1 << torch.arange(hn, device=qh.device)).to(torch.uint8)[:, None]) > 0
+            mask = causal[None] & seen[:, None, :]                                          # [h_n, m, U]
+            qg = qh[g * hn:(g + 1) * hn].float()
+            logits = (qg @ k.T) * self.scaling
+            outs.append(torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v)   # [h_n, m, D]
+        if rows is not None:
+            kd, vd = self.tables.dense(layer, slot)
+            seq.store.put(layer, kd[:, -m:], vd[:, -m:])
+        return torch.cat(outs).transpose(0, 1).to(qh.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from executor.cache import LayerBytes
+from executor.engine.seq_cache import LayerBytes
 from executor.engine.sequence import Sequence
 
 
@@ -50,7 +50,7 @@ def run_result(seq: Sequence) -> RunResult:
 
 
 def offload_report(seq: Sequence) -> dict:
-    store, recall = seq.store, seq.cache.state.recall
+    store, recall = seq.store, seq.recall
     return {"transport": store.transport, "failed": store.failed, "error": store.error,
             "part": dataclasses.asdict(seq.plan.offload), "stats": dataclasses.asdict(store.stats),
             "recall": sum(r for r, _ in recall) / len(recall) if recall else None,

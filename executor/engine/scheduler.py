@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from executor.engine.kv_budget import KVBudget
-from executor.engine.sequence import Sequence, Status
+from executor.engine.sequence import Phase, Sequence, Status
 from executor.fairness import FairQueue, Waiting
 
 log = logging.getLogger("kvplan.executor.engine")
@@ -29,13 +29,13 @@ log = logging.getLogger("kvplan.executor.engine")
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's rows in a step: `ids` fed from position `start` under cache `phase`; the
-    logits of its last `keep` rows come back; `sample`: the step samples its next token;
-    `decode`: decode rows (else a prefill part)."""
+    """One sequence's rows in a step: `ids` fed from position `start` under `phase`; the logits of
+    its last `keep` rows come back; `sample`: the step samples its next token; `decode`: decode
+    rows (else a prefill part)."""
     seq: Sequence
     ids: tuple[int, ...]
     start: int
-    phase: str
+    phase: Phase
     keep: int
     sample: bool
     decode: bool = False
@@ -72,7 +72,8 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_seqs:
                 seq = self._next(self.fair.pick)
                 if not self.budget.can_reserve(seq.reserved):
-                    self.fair.unpick(self._waiting(seq))         # it goes first once room is made
+                    if not seq.preemptions:
+                        self.fair.unpick(self._waiting(seq))     # it goes first once room is made
                     break
                 self.waiting.remove(seq)
                 self.budget.reserve(seq.seq_id, seq.reserved)
@@ -83,7 +84,7 @@ class Scheduler:
         for seq in self.running:
             if seq.status is Status.DECODE:
                 ids, phase = seq.decode_rows()
-                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase != "predecode", True))
+                segments.append(Segment(seq, tuple(ids), seq.pos, phase, len(ids), phase is not Phase.PREDECODE, True))
                 rows += len(ids)
         for seq in self.running:
             if seq.status is not Status.PREFILL:
@@ -91,8 +92,8 @@ class Scheduler:
             part = seq.parts[0]
             if prefills and rows + len(part.ids) > self.max_batched_tokens:
                 break
-            last = len(seq.parts) == 1
-            segments.append(Segment(seq, part.ids, part.start, part.phase, 1 if last else 0, last))
+            sample = len(seq.parts) == 1 and not seq.generated      # recomputed: its next token is sampled already
+            segments.append(Segment(seq, part.ids, part.start, part.phase, 1 if sample else 0, sample))
             rows, prefills = rows + len(part.ids), prefills + 1
         return segments
 
@@ -101,7 +102,11 @@ class Scheduler:
         return Waiting(str(seq.seq_id), seq.tenant, seq.prompt.num_tokens + seq.sampling.max_new_tokens)
 
     def _next(self, pick) -> Sequence:
-        """The waiting sequence admission offers next: `pick` (`FairQueue.pick` or `.peek`) over them."""
+        """The waiting sequence admission offers next: a preempted one first (it was running), else
+        `pick` (`FairQueue.pick` or `.peek`) over them."""
+        for s in self.waiting:
+            if s.preemptions:
+                return s
         by_key = {str(s.seq_id): s for s in self.waiting}
         return by_key[pick([self._waiting(s) for s in self.waiting]).key]
 
@@ -124,21 +129,24 @@ class Scheduler:
                 seq.parts.pop(0)
                 seq.done_tokens += len(seg.ids)
                 seq.emit("progress", (seq.done_tokens, seq.prompt.num_tokens))
-                if seg.phase == "compress":
+                if seg.phase is Phase.COMPRESS:
                     self._tighten(seq)
-                if seg.phase == "stats":              # the plan comes now: it waits for it
+                if seg.phase is Phase.STATS:          # the plan comes now: it waits for it
                     seq.status = Status.PLANNING
-                    seq.emit("context", seq.cache.state.stats.result())
+                    seq.emit("context", seq.stats.result())
                     if seq.parts:
                         continue
                     seq.t_prefilled = time.perf_counter()      # its first token does not wait for the plan
                 elif seq.parts:
                     continue
                 else:
-                    seq.status, seq.t_prefilled = Status.DECODE, time.perf_counter()
+                    seq.status = Status.DECODE
+                    seq.t_prefilled = seq.t_prefilled or time.perf_counter()
+                    if seq.generated:                  # recomputed after a preemption: it decodes on from here
+                        continue
             else:
                 seq.guess = out.guess
-                if seg.phase == "predecode":
+                if seg.phase is Phase.PREDECODE:
                     continue
                 seq.steps += 1
             self._take(seq, out.token, out.logprob)
@@ -148,6 +156,9 @@ class Scheduler:
         return done
 
     def _take(self, seq: Sequence, tok: int, logprob: tuple | None = None) -> None:
+        forced = seq.sampling.forced
+        if len(seq.generated) < len(forced):
+            tok = forced[len(seq.generated)]
         if tok in self.stop_ids and not seq.sampling.ignore_eos and len(seq.generated) >= seq.sampling.min_tokens:
             seq.finish("eos")
             return
@@ -186,6 +197,22 @@ class Scheduler:
         else:
             log.error("job %s: its compressed cache may grow to %d bytes, past the %d reserved before its prefill "
                       "and more than the budget has free", seq.job_id, need, seq.reserved)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence out of the step loop to recompute it later: its pages and its
+        reservation back, it first in the waiting line (the engine gives it a new cache and parts)."""
+        seq.cache.close()
+        self.budget.release(seq.seq_id)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def newest(self) -> Sequence | None:
+        """The running sequence admitted last that can be recomputed (prefilling or decoding, not
+        waiting for its plan; an offload plan's only when nothing else can)."""
+        movable = [s for s in self.running if s.status in (Status.PREFILL, Status.DECODE)]
+        plain = [s for s in movable if not s.offload] or movable
+        return max(plain, key=lambda s: (s.t_admitted or 0.0, s.seq_id), default=None)
 
     def abort(self, seq: Sequence, reason: str) -> None:
         """End an admitted sequence outside a step's outputs (cancelled, or its step failed);

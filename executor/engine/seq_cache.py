@@ -1,66 +1,74 @@
-"""One sequence's KV: a slot in the engine's block tables for its pooled layers (they hold no
-tensors), and for layers whose form the pool does not hold (`kvcore.blocks.pooled_layers`:
-codebooks, merged pairs, offloaded copies, per-query-head eviction) the cache layers of
-`executor.cache.PlannedCache`, which also carries the job's state (`state`: context length,
-statistics, offload recall).
+"""One sequence's KV: its slot in the pool's tables (`executor.engine.block_tables`) under its plan.
+It holds no tensors: its bytes are the pages its streams hold, counted as they come and go.
 
-Bytes: a pooled layer's are its blocks (`BlockTables.layer_bytes`), a cache layer's its tensors;
-`bytes_bound` is the most they can hold while the rows still to come join (`kvcore.blocks`)."""
+    open / close     take a slot at admission (a seeded prefix written into it), give every page
+                     back when the sequence ends (what each layer held kept for its report)
+    layer_bytes      per layer: bytes held against the fp16 K+V of every token it has seen
+    bytes_bound      the most its pages can come to while the rows still to come join, from the
+                     tables as they are (`kvcore.blocks`): what the engine reserves once the
+                     context is compressed"""
 from __future__ import annotations
 
-import numpy as np
-import torch
+from dataclasses import dataclass
 
-from executor.cache import LayerBytes, PlannedCache, _kind
-from executor.engine.compression import compress
+import numpy as np
+
 from executor.engine.block_tables import BlockTables
-from kvcore.blocks import pooled_layers
+from kvcore.blocks import ceil_div
 from kvplan.plan import CompressionPlan
 
 
+@dataclass(frozen=True)
+class LayerBytes:
+    layer: int
+    kind: str
+    kept_tokens: int      # rows held per KV head (the most of its heads)
+    kv_bytes: int         # bytes of every page the layer holds
+    full_kv_bytes: int    # K and V of every token seen, all KV heads, in the storage dtype
+
+
+def layer_kinds(plan: CompressionPlan) -> list[str]:
+    """What each layer is stored as, for reports: its plan's kind; a merged pair's lower layer and
+    an offloading plan's full layers by what they hold."""
+    lower = {lp.merge.with_layer for lp in plan.layers if lp.merge is not None}
+    return ["merge" if i in lower else "offload" if plan.offload.enabled and lp.kind == "full" else lp.kind
+            for i, lp in enumerate(plan.layers)]
+
+
 class SeqCache:
-    def __init__(self, plan: CompressionPlan, tables: BlockTables, legacy: PlannedCache, num_query_heads: int,
-                 num_kv_heads: int, dtype: torch.dtype):
-        """dtype: the model's compute dtype. The slot is taken when the sequence is admitted (`open`)."""
-        self.plan, self.tables, self.legacy, self.dtype = plan, tables, legacy, dtype
-        self.heads = (num_query_heads, num_kv_heads)
-        self.pooled = pooled_layers(plan, num_query_heads, num_kv_heads, tables.layout.group)
+    def __init__(self, plan: CompressionPlan, tables: BlockTables, num_kv_heads: int, head_dim: int):
+        self.plan, self.tables = plan, tables
+        self.row_bytes = num_kv_heads * head_dim * tables.layout.itemsize
         self.slot: int | None = None
         self.seed = None                                # a `executor.runner.Prefix` to start from, when admitted
-        self.acc: dict[int, torch.Tensor] = {}          # H2O: accumulated attention per pooled layer [H, T]
         self.tokens_seen = 0                            # rows fed through every layer
         self.closed = False
         self.final: list[LayerBytes] = []
 
-    def open(self) -> None:
-        """Take a slot in the block tables (at admission; idempotent), starting from `seed`'s dense
-        K/V if there is one."""
-        if self.slot is not None:
-            return
-        self.slot = self.tables.open(self.pooled)
-        if self.seed is not None:
-            for i, (k, v) in enumerate(zip(self.seed.keys, self.seed.values)):     # [1, H_kv, T, D] stored dtype
-                if self.pooled[i]:
-                    self.tables.store_dense(i, self.slot, k[0], v[0])
-                else:
-                    self.legacy.layers[i].seed(k, v, self.dtype)   # never written in place: shared safely
-            self.tokens_seen, self.seed = self.seed.tokens, None
-
-    @property
-    def state(self):
-        return self.legacy.state
-
-    @property
-    def layers(self):
-        return self.legacy.layers
-
     @property
     def max_window(self) -> int:
-        return self.legacy.max_window
+        """The longest observation window of any layer: the context's last chunk must hold it."""
+        return max((lp.eviction.window for lp in self.plan.layers if lp.eviction), default=0)
+
+    @property
+    def seedable(self) -> bool:
+        """Whether its context chunks can start from a dense prefix: nothing but K/V is kept while
+        the context is prefilled (H2O accumulates attention)."""
+        return not any(lp.eviction is not None and lp.eviction.scorer == "h2o" for lp in self.plan.layers)
+
+    def open(self) -> None:
+        """Take a slot in the tables (at admission; idempotent), starting from `seed`'s dense K/V."""
+        if self.slot is not None:
+            return
+        self.slot = self.tables.open()
+        if self.seed is not None:
+            for i, (k, v) in enumerate(zip(self.seed.keys, self.seed.values)):     # [1, H_kv, T, D] stored dtype
+                self.tables.store_dense(i, self.slot, k[0], v[0])
+            self.tokens_seen, self.seed = self.seed.tokens, None
 
     def close(self) -> None:
-        """Every pooled block back to the pool (idempotent); what each layer held is kept for the
-        job's report (`layer_bytes`)."""
+        """Every page back to the pool (idempotent); what each layer held is kept for the job's
+        report (`layer_bytes`)."""
         if not self.closed:
             self.final = self.layer_bytes()
             if self.slot is not None:
@@ -69,105 +77,62 @@ class SeqCache:
 
     @property
     def holds(self) -> bool:
-        """Whether its pooled layers hold blocks now (admitted, not yet ended)."""
+        """Whether it holds pages now (admitted, not yet ended)."""
         return self.slot is not None and not self.closed
-
-    def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pooled, uncompressed layer's rows -> K, V [1, H_kv, T, D] in the storage dtype."""
-        k, v = self.tables.dense(layer, self.slot)
-        return k[None], v[None]
-
-    # -- a later plan ---------------------------------------------------------------------------
-    def rebuild(self, plan: CompressionPlan, legacy: PlannedCache, queries: list[torch.Tensor], scaling: float) -> None:
-        """From a dense cache (every layer pooled and full: a plan that came after the context, or a
-        shrink) to `plan`'s: each layer's context rows [0, C) compressed with the context's last
-        queries [m] of [H, W, D], the rows fed since [C, T) joining after them. Pooled layers are
-        transformed in place; the others seeded into their cache layers (`legacy`, empty, built for
-        `plan`), compressed, then fed the later rows, in layer order (a merged pair's lower first)."""
-        c = self.state.context_tokens
-        legacy.state.context_tokens = c
-        pooled = pooled_layers(plan, *self.heads, self.tables.layout.group)
-        own = {}
-        for i in range(len(plan.layers)):
-            k, v = self.tables.dense(i, self.slot)                                  # [H_kv, T, D] stored dtype
-            lp = plan.layers[i]
-            if pooled[i]:
-                compress(self.tables, i, self.slot, lp, queries[i], k.to(self.dtype), v.to(self.dtype),
-                                     scaling, later=k.shape[1] - c)
-                continue
-            legacy.layers[i].seed(k[None, :, :c], v[None, :, :c], self.dtype)
-            own[i] = (k[None, :, c:], v[None, :, c:])
-            self.tables.drop(i, self.slot)
-        with torch.inference_mode():
-            for i in own:
-                legacy.layers[i].compress_now(queries[i], scaling)
-            for i, (k, v) in own.items():
-                if k.shape[2]:
-                    legacy.layers[i].update(k.to(self.dtype), v.to(self.dtype))
-        self.tables.paged[:, self.slot] = torch.tensor(pooled)
-        self.plan, self.legacy, self.pooled = plan, legacy, pooled
 
     # -- bytes ----------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Bytes held now: the pooled layers' blocks and the cache layers' tensors."""
-        pooled = int(self.tables.layer_bytes(self.slot).sum()) if self.holds else 0
-        return pooled + self.own_bytes()
-
-    def own_bytes(self) -> int:
-        """Bytes the cache layers of the layers the pool does not hold keep in their tensors."""
-        if all(self.pooled):
-            return 0
-        return sum(t.nbytes for i, layer in enumerate(self.legacy.layers) if not self.pooled[i]
-                   for t in layer.tensors())
+        """Bytes held now: the pages of its streams."""
+        return int(self.tables.layer_bytes(self.slot).sum()) if self.holds else 0
 
     def layer_bytes(self) -> list[LayerBytes]:
         """Per layer: bytes held against K+V of every token seen in fp16 (once closed: what it
         held when it closed)."""
         if self.closed:
             return self.final
-        legacy = self.legacy
-        pooled = self.tables.layer_bytes(self.slot) if self.holds else np.zeros(len(self.pooled))
-        rows = self.tables.rows_held(self.slot) if self.holds else None           # [L, H]
-        out = []
-        for i, layer in enumerate(legacy.layers):
-            if self.pooled[i]:
-                lp = self.plan.layers[i]
-                kind = "quant" if lp.quant else "evicted" if lp.eviction else "full"
-                kept = int(rows[i].max()) if rows is not None else 0
-                out.append(LayerBytes(i, kind, kept, int(pooled[i]), 2 * self.tokens_seen * legacy.row_bytes))
-            else:
-                out.append(LayerBytes(i, _kind(layer), layer.kept_tokens(), sum(t.nbytes for t in layer.tensors()),
-                                      2 * layer.tokens_seen * legacy.row_bytes))
-        return out
+        kinds = layer_kinds(self.plan)
+        if not self.holds:
+            return [LayerBytes(i, kind, 0, 0, 0) for i, kind in enumerate(kinds)]
+        held = self.tables.layer_bytes(self.slot)
+        rows = self.tables.rows_held(self.slot)                                          # [L, H]
+        full = 2 * self.tokens_seen * self.row_bytes
+        return [LayerBytes(i, kind, self.tokens_seen if kind in ("merge", "offload") else int(rows[i].max()),
+                           int(held[i]), full) for i, kind in enumerate(kinds)]
 
     def bytes_bound(self, adds: list[int]) -> int:
-        """Most bytes held at any step while `adds` rows (the question's parts, then one per
-        decode step) join every layer in turn."""
+        """Most bytes held at any step while `adds` rows (the question's parts, then one per decode
+        step) join every stream in turn."""
         return sum(self.layer_bounds(adds))
 
     def layer_bounds(self, adds: list[int]) -> list[int]:
-        """Per layer, the most bytes it holds at any step while `adds` rows join (`kvcore.blocks`
-        for pooled layers, each cache layer's own bound for the rest)."""
-        lay, tables, s = self.tables.layout, self.tables, self.slot
+        """Per layer, the most bytes its pages come to while `adds` rows join: its coded, entry and
+        skip pages as they are, its quant pages and dense tail as they grow (`kvcore.blocks`)."""
+        if not self.holds:                        # ended: what it held then; not yet admitted: nothing
+            return [x.kv_bytes for x in self.final] if self.final else [0] * len(self.plan.layers)
+        t, lay, s = self.tables, self.tables.layout, self.slot
         steps = np.cumsum([0, *adds])                                                 # rows added before each step
+        fixed = t.layer_pages(s) - self._growing_pages(s)
         out = []
-        for i, layer in enumerate(self.legacy.layers):
-            if not self.pooled[i]:
-                out.append(int(layer.bytes_bound(adds)))
-                continue
-            if not self.holds:                        # ended: what it held then; not yet admitted: nothing
-                out.append(self.final[i].kv_bytes if self.final else 0)
-                continue
-            bits, res, total = int(tables.qbits[i, s]), int(tables.qres[i, s]), 0
-            for h in range(tables.H):
-                start, end = int(tables.dstart[i, s, h]), int(tables.dend[i, s, h])
-                if bits:
-                    u = int(tables.qn[i, s, h]) * lay.group + end - start
-                    worst = lay.quant_stream_held(u, bits, res)
+        for i in range(t.L):
+            form = int(t.qform[i, s])
+            total = 0
+            for h in range(t.H):
+                start, end = int(t.dstart[i, s, h]), int(t.dend[i, s, h])
+                if form:
+                    f = lay.quant_forms[form]
+                    u = int(t.qn[i, s, h]) * f.rows + end - start
+                    worst = lay.quant_pages_held(u, f.rows, int(t.qres[i, s]))
                     if adds:
-                        worst = max(worst, lay.quant_stream_bytes(u + steps[:-1], np.asarray(adds), bits, res).max())
+                        worst = max(worst, lay.quant_pages_during(u + steps[:-1], np.asarray(adds), f.rows,
+                                                                  int(t.qres[i, s])).max())
                 else:
-                    worst = lay.dense_blocks(start, end + steps[-1]) * lay.dense_bytes
+                    worst = lay.dense_pages(start, end + steps[-1])
                 total += int(worst)
-            out.append(total)
+            out.append((total + int(fixed[i])) * lay.page_bytes)
         return out
+
+    def _growing_pages(self, slot: int) -> np.ndarray:
+        """[L] pages of the parts that grow (quant pages and the dense tail)."""
+        t, lay = self.tables, self.tables.layout
+        dense = (ceil_div(t.dend[:, slot], lay.rows) - t.dstart[:, slot] // lay.rows).clamp_min(0)
+        return (dense + t.qn[:, slot]).sum(1).numpy()

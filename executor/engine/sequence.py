@@ -1,13 +1,14 @@
 """One job's state in the engine: its prompt split into prefill parts, its sampling, its plan and
-the `SeqCache` shaped by it (a slot in the pool's block tables; cache layers where the pool holds
-no such form), its cachestore
-handle, where it is (position, phase), what it generated, its incremental detokenizer and
-SpeCache's speculative guess.
+the `SeqCache` shaped by it (its slot in the pool's tables), its cachestore handle, where it is
+(position, status), what it generated, its incremental detokenizer, and what its compression keeps
+between steps (H2O's accumulated attention, the statistics its plan comes from, SpeCache's guess
+and prefetched rows).
 
 A sequence moves WAITING -> PREFILL (admitted: its bytes reserved; prefill parts scheduled one
 per step) -> DECODE (a row per step; an offload plan: one pre-decoding step, then two rows per
 step, the real token and the guess) -> FINISHED. A dense running sequence may be shrunk to a
-lower-ratio plan between steps (`executor.engine.shrink`); its status does not change."""
+lower-ratio plan between steps (`executor.engine.shrink`); its status does not change. What a
+part's rows are to the cache is its `Phase`."""
 from __future__ import annotations
 
 import enum
@@ -22,6 +23,21 @@ from executor.engine.seq_cache import SeqCache
 from executor.engine.sampler import generator
 from executor.prompt import Prompt
 from kvplan.plan import CompressionPlan
+
+
+class Phase(enum.Enum):
+    """What a part's rows are to the cache."""
+    CONTEXT = "context"        # the part of the prompt to compress, prefilled dense
+    COMPRESS = "compress"      # its last chunk: after its attention every layer compresses (`executor.presses`)
+    STATS = "stats"            # its last chunk when the plan comes after it: statistics gathered, last queries kept
+    AFTER = "after"            # the question and decode rows, over the compressed cache
+    PREDECODE = "predecode"    # offload plans: a decode row that stores nothing and guesses the next token
+    SPEC = "spec"              # offload plans: the row and its guess, over the prefetched rows
+
+    @property
+    def context(self) -> bool:
+        """Rows of the context before its compression (dense)."""
+        return self in (Phase.CONTEXT, Phase.COMPRESS, Phase.STATS)
 
 
 class Status(enum.Enum):
@@ -39,6 +55,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False          # generate max_new_tokens whatever the model says (benchmarks)
+    forced: tuple[int, ...] = ()      # the tokens taken instead of the sampled ones (teacher forcing: benches)
     stop: tuple[str, ...] = ()        # stop sequences: the text ends before the first one generated
     logprobs: int | None = None       # set: each token's log-probability and this many top tokens'
     min_tokens: int = 0               # an end-of-text token before this many generated goes on as ignore_eos
@@ -46,12 +63,10 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Part:
-    """A prefill chunk: ids fed at `start`, under the cache phase the layers act on ("context":
-    the part to compress; "compress": its last chunk, after whose attention layers compress;
-    "after": the question, over the compressed cache)."""
+    """A prefill chunk: ids fed at `start`, under `phase`."""
     ids: tuple[int, ...]
     start: int
-    phase: str
+    phase: Phase
 
 
 def chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:
@@ -64,16 +79,23 @@ def chunks(n: int, size: int, min_last: int) -> list[tuple[int, int]]:
     return spans
 
 
-def prefill_parts(prompt: Prompt, chunk: int, min_last: int, skip: int = 0, last: str = "compress") -> list[Part]:
+def generated_parts(prompt: Prompt, generated: list[int], chunk: int) -> list[Part]:
+    """A preempted sequence's generated tokens but the last (the next one its decode feeds), fed
+    again after its prompt when it is recomputed: `chunk`-token parts over the compressed cache."""
+    fed, n = generated[:-1], prompt.num_tokens
+    return [Part(tuple(fed[a:a + chunk]), n + a, Phase.AFTER) for a in range(0, len(fed), chunk)]
+
+
+def prefill_parts(prompt: Prompt, chunk: int, min_last: int, skip: int = 0, last: Phase = Phase.COMPRESS) -> list[Part]:
     """The prompt's prefill as parts: the context in `chunk`-token spans (the last one holding at
     least `min_last`, under phase `last`), then the question in `chunk`-token spans. Fixed per
     sequence, whatever it is batched with, so a job's arithmetic is the same alone or batched.
     `skip`: context spans already prefilled (a seeded prefix)."""
     ctx, n = prompt.context_ids, len(prompt.context_ids)
-    parts = [Part(tuple(ctx[a:b]), a, last if b == n else "context")
+    parts = [Part(tuple(ctx[a:b]), a, last if b == n else Phase.CONTEXT)
              for a, b in chunks(n, chunk, min_last)[skip:]]
     q = prompt.question_ids
-    parts += [Part(tuple(q[a:a + chunk]), n + a, "after") for a in range(0, len(q), chunk)]
+    parts += [Part(tuple(q[a:a + chunk]), n + a, Phase.AFTER) for a in range(0, len(q), chunk)]
     return parts
 
 
@@ -117,6 +139,13 @@ class Sequence:
     queries: list | None = None                        # [m] of [H, W, D]: the context's last queries, kept while
                                                        # its cache is dense (a shrink compresses with them)
     shrinks: list = field(default_factory=list)        # `executor.engine.shrink.Shrink`, each time it was shrunk
+    preemptions: int = 0                               # times the engine gave back its pages to recompute it later
+    step_logits: list | None = None                    # set: each sampled row's next-token logits [V] (benches)
+    stats: object | None = None                        # `kvcore.statistics.LayerStatistics` its STATS chunk adds to
+    acc: dict = field(default_factory=dict)            # H2O: attention accumulated per layer [H, T] (prefill only)
+    offload_state: dict = field(default_factory=dict)  # SpeCache per layer: its sinks, the rows prefetched now
+    recall: list | None = None                         # SpeCache: each prefetch's recall, when measured
+    prefetch_wait_s: float = 0.0                       # SpeCache: how long a layer waits for a late prefetch
 
     def __post_init__(self):
         self.detok = DecodeStream(skip_special_tokens=True)
@@ -132,15 +161,19 @@ class Sequence:
         """Position of the next token fed (the prompt's, then one per fed generated token)."""
         return self.prompt.num_tokens + self.steps
 
-    def decode_rows(self) -> tuple[list[int], str]:
-        """The rows of this sequence's next decode step and the cache phase they run under: the
-        sampled token; an offload plan first pre-decodes it (stores nothing, guesses the next),
-        then feeds it with the guess ("spec")."""
+    @property
+    def context_tokens(self) -> int:
+        return len(self.prompt.context_ids)
+
+    def decode_rows(self) -> tuple[list[int], Phase]:
+        """The rows of this sequence's next decode step and their phase: the sampled token; an
+        offload plan first pre-decodes it (stores nothing, guesses the next), then feeds it with
+        the guess (SPEC)."""
         if not self.offload:
-            return [self.last_token], "after"
+            return [self.last_token], Phase.AFTER
         if self.guess is None:
-            return [self.last_token], "predecode"
-        return [self.last_token, self.guess], "spec"
+            return [self.last_token], Phase.PREDECODE
+        return [self.last_token, self.guess], Phase.SPEC
 
     # -- bookkeeping --------------------------------------------------------------------------
     def append(self, tok: int, logprob: tuple | None = None) -> None:

@@ -1,5 +1,5 @@
 """SpindleKV codebook: the tiled incremental greedy against a literal Algorithm 1, its properties,
-a worked example, GQA dedup, decode-time match_or_append, and the Triton degree kernel (in an
+a worked example, GQA dedup, and the Triton degree kernel (in an
 interpreter child process, see `tests.kernels.interp`) against its reference."""
 from __future__ import annotations
 
@@ -192,72 +192,6 @@ def test_degree_reference_chunking_is_invisible():
     assert torch.equal(codebook.codebook_degree_reference(x, rows, cols, w, 0.9, max_elems=1), full)
     literal = ((((x @ x[cols].T) > 0.9) | (rows[:, None] == cols[None, :])).float() * w).sum(1)
     assert torch.equal(full, literal)
-
-
-def test_match_or_append_hits_misses_and_shared_new_entries():
-    C = _angles(0, 90)                                                  # [2, 2]
-    x = torch.cat([_angles(5) * 2, _angles(45), _angles(45) * 7, _angles(60), torch.zeros(1, 2)])
-    C_new, ref = kernels.match_or_append(C, x, math.cos(math.radians(20)))
-    # 5 -> entry 0; 45 misses -> new entry 2; its copy joins 2; 60 is 15 from 45, 30 from 90 -> 2; zero -> 0
-    assert ref.tolist() == [0, 2, 2, 2, 0]
-    assert torch.allclose(C_new, _angles(0, 90, 45), atol=1e-6)
-
-
-def test_match_or_append_is_in_order_and_takes_best_entry():
-    C, theta = _angles(0), 0.9
-    # 32 deg misses (cos 0.848) -> new entry; 23 deg hits both (0.92 and 0.988) -> the new, better one
-    C_new, ref = kernels.match_or_append(C, _angles(32, 23), theta)
-    assert ref.tolist() == [1, 1] and torch.allclose(C_new, _angles(0, 32), atol=1e-6)
-    # other order: 23 deg joins entry 0 (no other entry yet), then 32 misses -> new entry
-    C_new, ref = kernels.match_or_append(C, _angles(23, 32), theta)
-    assert ref.tolist() == [0, 1] and torch.allclose(C_new, _angles(0, 32), atol=1e-6)
-
-
-def test_match_or_append_edge_cases():
-    empty = torch.zeros(0, 3)
-    C_new, ref = kernels.match_or_append(empty, torch.tensor([[1.0, 1, 0], [3.0, 3, 0], [0, 0, 2]]), 0.95)
-    assert ref.tolist() == [0, 0, 1] and torch.allclose(C_new, torch.tensor([[0.7071068, 0.7071068, 0], [0, 0, 1]]))
-    C_new, ref = kernels.match_or_append(empty, torch.zeros(2, 3), 0.95)
-    assert torch.equal(C_new, torch.eye(1, 3)) and ref.tolist() == [0, 0]
-    C = _angles(0, 90).half()
-    C_new, ref = kernels.match_or_append(C, torch.zeros(0, 2), 0.95)
-    assert C_new.dtype == torch.float16 and torch.equal(C_new, C) and ref.shape == (0,)
-    C_new, ref = kernels.match_or_append(C, _angles(40), 0.95)
-    assert C_new.dtype == torch.float16 and C_new.shape == (3, 2) and ref.tolist() == [2]
-
-
-def test_match_or_append_equals_sequential_definition():
-    g = torch.Generator().manual_seed(14)
-    base = clustered(64, 8, seed=14)
-    C, _, _ = kernels.build_codebook(base, 0.95)
-    x = clustered(40, 8, seed=15)                                       # [M, D] mostly new directions
-    x[20:] = x[:20] * 1.5 + 0.01 * torch.randn(20, 8, generator=g)      # near-repeats of earlier ones
-    C_new, ref = kernels.match_or_append(C, x, 0.95)
-    seq_C, seq_ref = C.clone(), []
-    for row in torch.nn.functional.normalize(x, dim=1):                 # literal one-at-a-time loop
-        sims = seq_C @ row
-        j = int(sims.argmax())
-        if sims[j] > 0.95:
-            seq_ref.append(j)
-        else:
-            seq_C = torch.cat([seq_C, row[None]])
-            seq_ref.append(seq_C.shape[0] - 1)
-    assert ref.tolist() == seq_ref and torch.equal(C_new, seq_C)
-    assert C_new.shape[0] > C.shape[0], "test data must create new entries"
-
-
-def test_match_or_append_one_token_at_a_time_equals_batch():
-    """Decode feeds one token per call (a fast path): the same codebook and refs as one batch call."""
-    C, _, _ = kernels.build_codebook(clustered(64, 8, seed=21), 0.95)
-    x = clustered(30, 8, seed=22)
-    x[15:] = x[:15] * 2.0                                                # exact repeats join their entry
-    C_batch, ref_batch = kernels.match_or_append(C, x, 0.95)
-    C_step, refs = C, []
-    for row in x:
-        C_step, r = kernels.match_or_append(C_step, row[None], 0.95)
-        refs += r.tolist()
-    assert refs == ref_batch.tolist() and torch.equal(C_step, C_batch)
-    assert C_batch.shape[0] > C.shape[0] and refs[15:] == refs[:15]
 
 
 def test_mergeable_share_worked_example_and_sampled_bound():

@@ -1,8 +1,8 @@
 """Paged decode attention over the pool: the reference against plain attention over each stream's
 rows (dequantized groups, then dense rows), the C++ kernel and the Triton kernel (interpreter
 child process, `tests.kernels.interp`) against the reference, on streams of every form — dense
-rows only, quantized groups at 2/4/8 bits with a dense tail, a tail-only quant stream, an empty
-stream, a dense span starting past freed blocks — with 1 to 4 query heads a stream."""
+rows only, quantized groups at 1/2/4/8 bits with a dense tail, a tail-only quant stream, an empty
+stream, a dense span starting past freed pages or inside a page — with 1 to 4 query heads a stream."""
 from __future__ import annotations
 
 import sys
@@ -24,6 +24,8 @@ CASES = {
     "D32_h1_quant_only": (32, 1, [(64, 4, 0), (96, 2, 0)]),
     "D64_h4_long_dense": (64, 4, [(600, 0, 0), (17, 0, 0)]),
     "D16_h2_tail_only": (16, 2, [(40, 8, 32), (5, 4, 16)]),
+    # every width's page-sized group (8 bits: 24 rows, so dense spans start inside a page; 1 bit: 192)
+    "D64_h3_widths": (64, 3, [(30, 8, 0), (46, 8, 0), (500, 1, 4), (120, 8, 7), (97, 2, 0), (200, 4, 3)]),
 }
 
 

@@ -98,3 +98,31 @@ def test_without_shares_the_statistics_travel_and_check_as_with_them():
     del msg.k_similar[-1]
     with pytest.raises(ValueError, match=r"^stats\.k_similar: expected 3 values, got 2$"):
         S.from_proto(msg, m, h, t)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA here: the host-sync check needs a CUDA device")
+def test_gathering_on_cuda_reads_nothing_back_until_the_result():
+    """An executor's CUDA prefill adds each layer's statistics between its layers: nothing in `add`
+    may wait on the device (torch's sync debug mode makes any such wait an error); `result` then
+    copies every layer's figures back at once, the same as gathered on the CPU."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [(torch.randn(9, 64, 64, generator=gen), torch.randn(3, 700, 64, generator=gen),
+               torch.randn(3, 700, 64, generator=gen), torch.randn(3, 700, 64, generator=gen)) for _ in range(3)]
+    got = {}
+    for dev in ("cpu", "cuda"):
+        st = S.LayerStatistics("mean", True, shares=False)
+        on_dev = [[t.to(dev) for t in layer] for layer in layers]          # copied before: a copy from the host waits
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for q, k_rot, k_pre, v in on_dev:
+                st.add(q, k_rot, k_pre, v, 0.125)
+        finally:
+            torch.cuda.set_sync_debug_mode(0) if dev == "cuda" else None
+        got[dev] = st.result()
+    cpu, cuda = got["cpu"], got["cuda"]
+    np.testing.assert_allclose(cuda.window_scores, cpu.window_scores, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(cuda.k_angle, cpu.k_angle, rtol=1e-4)
+    for name in ("evict", "retained", "quant"):
+        np.testing.assert_allclose(getattr(cuda.losses, name), getattr(cpu.losses, name), rtol=2e-2, atol=1e-6, err_msg=name)

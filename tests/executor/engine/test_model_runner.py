@@ -1,14 +1,14 @@
-"""The model runner's step: at each layer the decode rows of every sequence whose layer the pool
-holds — full, evicted, quantized at 2, 4 or 8 bits under eviction or not — attend in one paged
-kernel call, rows of layers the pool does not hold attend through their own cache layers, and
-each job's tokens and bytes are still the ones it gets alone. The runner's own decoder forward
-gives the loaded model's logits."""
+"""The model runner's step: at each layer the decode rows of every sequence — full, evicted per KV
+head or per query head, quantized at 2, 4 or 8 bits under eviction or not — attend in one paged
+kernel call whatever their forms, and each job's tokens and bytes are still the ones it gets
+alone. The runner's own decoder forward gives the loaded model's logits."""
 import random
 
 import torch
 
 from executor.engine import KVBudget, LLMEngine, Sampling, model_runner
 from executor.prompt import Prompt
+from executor.engine.sequence import Phase
 from executor.runner import Runner
 from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 
@@ -25,7 +25,7 @@ def test_every_pooled_form_of_many_sequences_decodes_in_one_call_per_layer_with_
              "quant4": each(eviction=MEAN, quant=Quant(bits=4, group_size=32, residual=8)),
              "quant2": each(quant=Quant(bits=2, group_size=32, residual=8)),
              "quant8": each(eviction=MEAN, quant=Quant(bits=8, group_size=32, residual=4)),
-             "repeat": each(eviction=REPEAT)}                   # per query head: a cache layer of its own
+             "repeat": each(eviction=REPEAT)}                   # per query head: coded rows with head bits
     rng = random.Random(3)
     prompts = {name: Prompt([rng.randint(100, 40000) for _ in range(rng.randint(80, 120))], []) for name in plans}
     solo = {name: Runner(tiny_model, torch.float16, prefill_chunk=32).run(prompts[name], plan, Sampling(40))
@@ -46,17 +46,18 @@ def test_every_pooled_form_of_many_sequences_decodes_in_one_call_per_layer_with_
     for name, seq in seqs.items():
         assert seq.generated == solo[name].token_ids, name
         assert seq.cache.layer_bytes() == solo[name].layers, name
-    assert max(calls) == 6 * hk                          # six pooled jobs, every form, one call
-    assert engine.runner.pool.bytes_in_use == 0          # every block back once they ended
+    assert max(calls) == 7 * hk                          # seven jobs, every form, one call
+    assert engine.runner.pool.bytes_in_use == 0          # every page back once they ended
     quant = seqs["quant2"].cache.layer_bytes()
-    assert all(x.kind == "quant" and x.kv_bytes < 0.5 * x.full_kv_bytes for x in quant)
+    assert all(x.kind == "quant" and x.kv_bytes < x.full_kv_bytes for x in quant)
+    assert all(solo[n].layers for n in ("quant2", "quant4", "quant8"))
 
 
 def test_the_runners_decoder_gives_the_models_logits(tiny_model):
     ids = list(range(100, 160))
     runner = Runner(tiny_model, torch.float16, prefill_chunk=64)
     cache = runner.new_cache(full_plan(tiny_model.num_layers, "f"))
-    ours = runner.forward(ids, 0, cache, "context", keep=len(ids))                      # [T, V]
+    ours = runner.forward(ids, 0, cache, Phase.CONTEXT, keep=len(ids))                 # [T, V]
     cache.close()
     with torch.inference_mode():
         ref = tiny_model.model(input_ids=torch.tensor([ids])).logits[0]                  # plain transformers

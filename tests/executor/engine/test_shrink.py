@@ -53,7 +53,8 @@ def test_a_shrunk_job_keeps_its_text_goes_on_and_holds_what_its_new_plan_makes(t
     assert [s.ratio for s in seq.shrinks] == [0.5] and not engine.shrinkable(seq)
     s = seq.shrinks[0]
     assert (s.generated_tokens, s.kv_bytes_before, s.reserved_before) == (AT, before, reserved)
-    assert s.kv_bytes_after < s.kv_bytes_before and s.reserved_after < s.reserved_before
+    if name != "merge":                      # a merged pair's directions and retained rows: as much as 90 dense rows here
+        assert s.kv_bytes_after < s.kv_bytes_before and s.reserved_after <= s.reserved_before   # (whole pages)
     assert s.kv_bytes_after <= s.reserved_after == engine.budget.held(seq.seq_id)
     while engine.has_work():
         engine.step()
@@ -66,7 +67,7 @@ def test_a_shrunk_job_keeps_its_text_goes_on_and_holds_what_its_new_plan_makes(t
     got, want = seq.cache.layer_bytes(), planned.cache.layer_bytes()
     assert [x.kept_tokens for x in got] == [x.kept_tokens for x in want]
     assert [x.kind for x in got] == [x.kind for x in want]
-    if name not in ("merge", "codebook"):    # rows joining a merged pair or a codebook: their values decide the bytes
+    if name != "codebook":                   # a codebook's entries: the rows' values decide its bytes
         assert [x.kv_bytes for x in got] == [x.kv_bytes for x in want]
 
 

@@ -5,7 +5,7 @@ budget split and its edge cases, and an evicted layer of the tiny GQA model (4 q
 import pytest
 import torch
 
-from executor import kvcrush
+from executor.presses import kvcrush
 from kvplan.plan import CompressionPlan, Eviction, KVCrush, LayerPlan
 
 # The hand-made layer: T = 11 tokens, 1 sink, window 1 -> candidate span C = tokens 1..9 (M = 9,
@@ -155,10 +155,7 @@ CONTEXT = list(range(1000, 1090))          # 90 context tokens
 @pytest.mark.parametrize("scorer", ["snapkv", "h2o"])
 def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_set(
         tiny_model, monkeypatch, scorer, gqa, anchor):
-    from executor.prompt import Prompt
-    from executor.runner import Runner
-    from kvplan.plan import full_plan
-    from tests.executor.test_layers import _pooled_heads
+    from tests.executor.presses.helpers import dense_kv, prefill, seen_by, streams
 
     calls = []
     real = kvcrush.select
@@ -173,25 +170,14 @@ def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_se
     ev = Eviction(keep_tokens=keep, window=window, sink_tokens=sinks, scorer=scorer, gqa_mode=gqa, pool_kernel=3,
                   kvcrush=KVCrush(rep_fraction=0.25, anchor=anchor))
     plan = CompressionPlan("t", "test", tuple(LayerPlan(i, eviction=ev) for i in range(tiny_model.num_layers)))
-    runner = Runner(tiny_model, torch.float16)
-    cache, full = runner.new_cache(plan), runner.new_cache(full_plan(tiny_model.num_layers, "f"))
-    with torch.inference_mode():
-        runner.prefill(Prompt(CONTEXT, []), cache)
-        runner.prefill(Prompt(CONTEXT, []), full)
+    runner, cache = prefill(tiny_model, plan, CONTEXT)
     assert len(calls) == tiny_model.num_layers
 
     hq, hk = tiny_model.num_query_heads, tiny_model.num_kv_heads
     heads = hq if gqa == "repeat" else hk
     n_rep = round(0.25 * keep)
+    full = dense_kv(tiny_model, CONTEXT)
     for i, (lb, (scores, got)) in enumerate(zip(cache.layer_bytes(), calls)):
-        if gqa == "mean":                                       # per KV head: the engine's pool
-            assert cache.pooled[i]
-            k_heads, _ = _pooled_heads(cache, i)                                          # [H_kv, n, D]
-        else:                                                   # per query head: a cache layer of its own
-            layer = cache.layers[i]
-            assert layer.compressed and layer.prompt_rows == sinks + keep + window
-            k_heads, _ = layer._heads(torch.float32)                                      # [H, n, D]
-            assert lb.kv_bytes == sum(t.nbytes for t in layer.tensors())
         assert got.rows.shape == (heads, sinks + keep + window) and got.reps.numel() == n_rep
         base = scores[:, sinks:90 - window].topk(keep - n_rep, dim=-1).indices + sinks   # [heads, B_imp]
         fixed = set(range(sinks)) | set(range(90 - window, 90))
@@ -200,28 +186,30 @@ def test_evicted_layer_keeps_its_budget_with_representatives_outside_the_base_se
             assert len(set(row)) == len(row)                                              # no duplicates
             assert set(row) == fixed | set(base[h].tolist()) | set(got.reps.tolist())
         assert not (set(got.reps.tolist()) & set(base.flatten().tolist()))               # outside every head's picks
-        # the layer really stores those tokens' full rows
-        k_full = full.dense(i)[0][0].float()                                              # [H_kv, T, D]
-        for h in range(heads):
-            g = h // (heads // hk)
-            match = (k_heads[h][:, None, :] == k_full[g][None]).all(-1)                   # [n, T]
-            assert match.any(1).all()
-            assert sorted(match.float().argmax(1).tolist()) == got.rows[h].tolist()
-        if gqa == "mean":                                       # 30 rows: two blocks of 16
-            assert lb.kv_bytes == hk * 32 * 2 * 16 * 2
+        # the pool really stores those tokens' full rows, each seen by the heads that kept it
+        per = heads // hk
+        for g, (k, _, seen) in enumerate(streams(runner, cache, i)):
+            for j in range(per):
+                mine = k[seen_by(seen, j)] if gqa == "repeat" else k
+                match = (mine[:, None, :] == full[i][0][g][None]).all(-1)                 # [n, T]
+                assert match.any(1).all()
+                assert sorted(match.float().argmax(1).tolist()) == got.rows[g * per + j].tolist()
+        if gqa == "mean":                                       # 30 rows: two pages of 16
+            assert lb.kv_bytes == hk * 2 * cache.tables.layout.page_bytes
+    cache.close()
 
 
 def test_kvcrush_layer_selection_is_deterministic(tiny_model):
-    from executor.prompt import Prompt
-    from executor.runner import Runner
+    from tests.executor.presses.helpers import prefill
 
     ev = Eviction(keep_tokens=20, window=8, sink_tokens=2, scorer="snapkv", gqa_mode="repeat", kvcrush=KVCrush())
     plan = CompressionPlan("t", "test", tuple(LayerPlan(i, eviction=ev) for i in range(tiny_model.num_layers)))
     rows = []
     for _ in range(2):
-        runner = Runner(tiny_model, torch.float16)
-        cache = runner.new_cache(plan)
-        with torch.inference_mode():
-            runner.prefill(Prompt(CONTEXT, []), cache)
-        rows.append([layer.head_rows.clone() for layer in cache.layers])
+        runner, cache = prefill(tiny_model, plan, CONTEXT)
+        t, s = cache.tables, cache.slot
+        from kernels.paged_decode import coded_fields
+        rows.append([coded_fields(t.pool.arena, t.ctable[i, s, h], int(t.cn[i, s, h]), t.layout)["heads"].clone()
+                     for i in range(tiny_model.num_layers) for h in range(t.H)])
+        cache.close()
     assert all(torch.equal(a, b) for a, b in zip(*rows))

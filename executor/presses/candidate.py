@@ -1,4 +1,4 @@
-"""What a codebook layer weighs before it stores a KV group: the group's candidate tokens, each
+"""What the codebook press weighs before it stores a KV group: the group's candidate tokens, each
 tensor of them (pre-RoPE K, V) as a `CodedPart` with its codebook where one could pay, and the
 group's bytes and rows as functions of the eviction rank k the layer keeps up to.
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+META_BYTES = 17     # a coded row's fields in the pool: two entries, a position (int32), two magnitudes, a head byte
+
 import torch
 
-from executor.layers.groups import index_bytes
 
 
 def count_below(sorted_values: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
@@ -44,10 +45,9 @@ class CodedPart:
 
     def coded_bytes(self, rows: torch.Tensor, ks: torch.Tensor, row_bytes: int, itemsize: int) -> torch.Tensor:
         """Bytes of the coded form holding rows [K] tokens at each k of ks [K]: the entries first
-        needed below k, and per row an index (as wide as those entries need), a magnitude and
-        `extra`. Only for a codable part."""
-        entries = count_below(self.first, ks)
-        return entries * row_bytes + rows * (index_bytes(entries) + itemsize + self.extra)
+        needed below k (each row's entry, magnitude and position are priced once per row by the
+        pool's coded pages, `META_BYTES`). Only for a codable part."""
+        return count_below(self.first, ks) * row_bytes
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,9 @@ class Candidate:
         return torch.minimum(part.coded_bytes(rows, ks, self.row_bytes, self.itemsize), dense)
 
     def bytes(self, ks: torch.Tensor, coded: tuple[str, ...] = ("k", "v")) -> torch.Tensor:
-        """The group's bytes at each k of ks [K], the parts in `coded` in their smaller form."""
-        return sum(self.part_bytes(name, ks, name in coded) for name in self.parts)
+        """The group's bytes at each k of ks [K], the parts in `coded` in their smaller form, and
+        every row's fields in the pool's coded pages."""
+        return sum(self.part_bytes(name, ks, name in coded) for name in self.parts) + META_BYTES * self.rows(ks)
 
     def coded_parts(self, k_star: int, allowed: tuple[str, ...]) -> tuple[str, ...]:
         """The parts stored coded at k_star: allowed, codable, and smaller than dense rows."""
