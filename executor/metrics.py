@@ -1,6 +1,7 @@
 """The executor's Prometheus metrics, as vLLM's engine exposes them: jobs running and waiting, the
 KV bytes held against the reservations and the budget, time to first token, time per output
 token and inter-token gaps (buckets to minutes), jobs ended by state, strategy and degradation,
+jobs refused as bad input once queued (apart: a refusal is the client's error, not a failure),
 running jobs shrunk to make room."""
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
-JOBS = Counter("kvplan_executor_jobs_total", "jobs ended, by state, strategy and degraded",
+JOBS = Counter("kvplan_executor_jobs_total", "jobs ended, by state, strategy and degraded (refusals: below)",
                ["state", "strategy", "degraded"])
+REFUSED = Counter("kvplan_executor_jobs_refused_total", "jobs refused as bad input once queued (tokenized, planned or "
+                  "prefilled: a budget the strategy's plan cannot hold), by the request field at fault", ["field"])
 DEGRADED = Counter("kvplan_jobs_degraded_total", "jobs that ended degraded (planner or cachestore lost)")
 TOKENS = Counter("kvplan_executor_generated_tokens_total", "tokens generated")
 RUNNING = Gauge("kvplan_executor_running_sequences", "jobs the engine runs (prefilling or decoding)")

@@ -45,6 +45,7 @@ class Checked:
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None     # set: the tokens' log-probabilities, with this many top tokens
     raw: bool = False                   # the prompt is the model's input as it is (no chat template)
+    min_tokens: int = 0                 # no end-of-text token ends the job before this many
 
 
 def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int, max_context: int | None = None) -> Checked:
@@ -77,13 +78,16 @@ def check(req: executor_pb2.GenerateRequest, default_max_new_tokens: int, max_co
     top_p = req.top_p if req.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {top_p:g}")
+    if not 0 <= req.min_tokens <= n:
+        raise InvalidRequest("min_tokens", f"must be in [0, max_new_tokens = {n}], got {req.min_tokens}")
     check_stops(req.stop)
     k = req.top_logprobs if req.HasField("top_logprobs") else None
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
     ratio, tokens = validate_budget(req.budget)
     return Checked(messages, n, float(req.temperature), float(top_p),
-                   req.seed if req.HasField("seed") else None, ratio, tokens, tuple(req.stop), k, req.raw_prompt)
+                   req.seed if req.HasField("seed") else None, ratio, tokens, tuple(req.stop), k, req.raw_prompt,
+                   req.min_tokens)
 
 
 def check_stops(stops, item=lambda i: f"stop[{i}]") -> None:

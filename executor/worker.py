@@ -8,7 +8,9 @@ engine, which runs every admitted job at once.
 
 A heartbeat per job keeps its claim alive and carries cancellation in; if another executor took
 the job over (this one was presumed dead) or this one is shutting down, the job stops and
-writes nothing, its queue entry left un-acked for a live executor to re-claim."""
+writes nothing, its queue entry left un-acked for a live executor to re-claim. While Redis is
+unreachable a running job goes on: the engine keeps stepping, its events wait in order in its
+queue, and its queue calls wait for Redis (docs/operations.md, Redis outages)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +28,7 @@ from executor import validation
 from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
 from executor.engine.result import run_result
 from executor.job_backend import PATIENCE, Claim, JobBackend, QueueUnavailable
-from executor.metrics import JOBS, QUEUE_DEPTH, observe_finished, observe_usage
+from executor.metrics import JOBS, QUEUE_DEPTH, REFUSED, observe_finished, observe_usage
 from executor.planner_client import PlanOutcome, PlannerClient
 from executor.report import job_result, token_logprobs
 from kvcore import statistics
@@ -178,7 +180,18 @@ class Worker:
 
     # -- one job --------------------------------------------------------------------------------
     async def _start(self, claim: Claim) -> None:
+        # A job's own queue calls wait for an unreachable Redis to come back (the backend's patience),
+        # not the intake's few seconds this task was created with: its events queue up in order
+        # while the engine goes on stepping, and are written when Redis answers again. With the
+        # intake's patience a Redis outage of 5 s dropped every running job's run, and each was run
+        # again from its start (issue 42).
+        PATIENCE.set(None)
         job_id = claim.job_id
+        if job_id in self.jobs:
+            # this executor's own claim came back to it (XAUTOCLAIM): Redis was away longer than the
+            # lease while the job ran here; the run goes on, its heartbeat holds the claim again
+            log.info("job %s: re-claimed while it runs here (Redis was away past its lease); it goes on", job_id)
+            return
         raw_status, raw_req = await self.backend.status(job_id), await self.backend.request(job_id)
         if raw_status is None or raw_req is None:
             await self.backend.finish(claim, self.cfg.job_ttl_s)      # expired record: drop the entry
@@ -217,8 +230,9 @@ class Worker:
         checked = validation.check(req, self.cfg.default_max_new_tokens, lm.max_context)
         prompt = await asyncio.to_thread(prompts.build, lm.tokenizer, checked.messages, req.question, checked.raw)
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
-        sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed, req.ignore_eos,
-                            checked.stop, checked.top_logprobs)
+        sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed,
+                            ignore_eos=req.ignore_eos, stop=checked.stop, logprobs=checked.top_logprobs,
+                            min_tokens=checked.min_tokens)     # (by name: Sampling gained `forced` mid-list)
         job.plan_call = functools.partial(self.planner.plan, job_id, req.tenant, req.strategy, req.budget, req.profile,
                                           len(prompt.context_ids), lm, suffix_tokens=len(prompt.question_ids),
                                           new_tokens=checked.max_new_tokens)
@@ -442,8 +456,12 @@ class Worker:
         else:
             await self.backend.set_status(job.claim.job_id, status.SerializeToString())
         await self.backend.finish(job.claim, self.cfg.job_ttl_s)
-        strategy = status.result.strategy or (job.outcome.plan.strategy if job.outcome else "")
-        JOBS.labels(pb.JobState.Name(state), strategy, str(status.result.degraded).lower()).inc()
+        if state == pb.FAILED and status.error_field:           # bad input found once queued: a refusal
+            REFUSED.labels(status.error_field).inc()
+        else:
+            strategy = status.result.strategy or (job.outcome.plan.strategy if job.outcome else "") or \
+                (job.request.strategy if job.request is not None else "")
+            JOBS.labels(pb.JobState.Name(state), strategy, str(status.result.degraded).lower()).inc()
         log.info("job %s: %s%s", job.claim.job_id, pb.JobState.Name(state), f" ({status.error})" if status.error else "")
 
 

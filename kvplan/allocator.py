@@ -39,3 +39,15 @@ def hold_freed_memory() -> bool:
     if not _done:
         log.warning("mallopt refused the heap policy: freed memory goes back to the OS (slower decode on CPU)")
     return _done
+
+
+def give_back() -> bool:
+    """Return the C heap's free memory to the OS now (glibc's malloc_trim), whatever the policy
+    above: after a refused request of many MB, which a process holding freed memory would keep
+    for good. -> whether anything was returned (False without glibc)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return bool(trim(0))

@@ -1,6 +1,8 @@
 """The `kvplan` command line.
 
-    kvplan up | down | status                 local cluster as background processes
+    kvplan up | down | status                 local cluster as background processes (up: also starts
+                                              again what of a running one is dead)
+    kvplan restart SERVICE                    stop one member of the local cluster and start it again
     kvplan generate [PROMPT] [options]        run a job (on the cluster, or embedded)
     kvplan demo                               one question under full and under auto at 0.2, bytes side by side
     kvplan strategies [set NAME]              list / switch the planner's default strategy
@@ -38,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="start redis (if installed), planner, cachestore, executor and the HTTP API "
                               "in the background")
     sub.add_parser("down", help="stop every process `kvplan up` started")
-    sub.add_parser("status", help="health of each process of the local cluster")
+    sub.add_parser("status", help="health of each process of the local cluster (exit 1 unless all serve)")
+    r = sub.add_parser("restart", help="stop one member of the local cluster and start it again")
+    r.add_argument("service", choices=["redis", "planner", "cachestore", "executor", "http"])
     sub.add_parser("prepare-model", help="convert the model to fp16 safetensors in KVPLAN_CACHE_DIR")
     s = sub.add_parser("serve", help="run one service in the foreground")
     s.add_argument("service", choices=["planner", "executor", "cachestore", "http"])
@@ -148,6 +152,9 @@ def _dispatch(args) -> int:
         return 0
     if args.cmd == "down":
         cluster.down(ccfg, mcfg)
+        return 0
+    if args.cmd == "restart":
+        cluster.restart(ccfg, mcfg, args.service)
         return 0
     if args.cmd == "status":
         rows = cluster.status(ccfg, mcfg)

@@ -346,6 +346,10 @@ class HttpConfig:
     timeout_s: float = _env("KVPLAN_HTTP_TIMEOUT_S", 3600.0, "deadline of one request's job")
     max_body_bytes: int = _env("KVPLAN_HTTP_MAX_BODY_BYTES", 4 << 20,
                                "the largest request body read (by Content-Length, or as it streams in): 413 above")
+    drain_bytes: int = _env("KVPLAN_HTTP_DRAIN_BYTES", 64 << 20,
+                            "a body over KVPLAN_HTTP_MAX_BODY_BYTES is read and discarded up to this before its "
+                            "413, so the client reads the answer instead of a reset connection (and does not "
+                            "retry); a larger one is answered at once")
     max_prompt_bytes: int = _env("KVPLAN_MAX_PROMPT_BYTES", 512 << 10,
                                  "most UTF-8 bytes of a job's prompt, messages and question (checked before tokenizing)")
     grace_s: float = _env("KVPLAN_GRACE_S", 5.0, "graceful-shutdown grace on SIGTERM")
@@ -360,6 +364,9 @@ class HttpConfig:
                             ("KVPLAN_MAX_PROMPT_BYTES", self.max_prompt_bytes)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.drain_bytes < 0:
+            raise ConfigError(f"KVPLAN_HTTP_DRAIN_BYTES must be >= 0 (0: answer an oversized body at once), "
+                              f"got {self.drain_bytes}")
         if self.grace_s <= 0:
             raise ConfigError(f"KVPLAN_GRACE_S must be > 0, got {self.grace_s}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

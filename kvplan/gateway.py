@@ -9,14 +9,16 @@ gRPC API.
 
 Each request is one executor `Generate` call (`kvplan.http_jobs`: the job goes through the job
 queue, so it survives the executor that held it, and the request re-attaches to it on any
-executor of KVPLAN_EXECUTOR_ADDR). The request's `Authorization: Bearer` header travels as gRPC
-`authorization` metadata. A body over KVPLAN_HTTP_MAX_BODY_BYTES is 413 before it is read
-(`kvplan.http_guard`); bad input is HTTP 400 in OpenAI's error shape naming the parameter,
-before any job exists — strict JSON types, numbers within their fields' ranges, valid UTF-8 —
-and every error, Starlette's own included, has that shape with a bounded message (never a bare
-500, never `{"detail": ...}`). A client that goes away cancels its job, streaming or not.
-Request and response bodies: `kvplan.openai_api`; errors: `kvplan.openai_errors` (the shape) and
-`kvplan.http_errors` (an executor's statuses).
+executor of KVPLAN_EXECUTOR_ADDR; a stream starts with the job's first token). The request's
+`Authorization: Bearer` header travels as gRPC `authorization` metadata (a malformed one is 401
+here). A body over KVPLAN_HTTP_MAX_BODY_BYTES is 413 and never parsed (`kvplan.http_guard`); bad
+input is HTTP 400 in OpenAI's error shape naming the parameter, before any job exists — strict
+JSON types, numbers within their fields' ranges, valid UTF-8, no field nobody knows
+(`kvplan.openai_fields`) — and every error, Starlette's and HTTP's own included
+(`kvplan.http_protocol`), has that shape with a bounded message (never a bare 500, never
+`{"detail": ...}`). A client that goes away cancels its job, streaming or not. Request bodies:
+`kvplan.openai_api`; response bodies: `kvplan.openai_shapes`; errors: `kvplan.openai_errors` (the
+shape) and `kvplan.http_errors` (an executor's statuses).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from kvplan import openai_api as api
 from kvplan.config import HttpConfig, ModelConfig, from_env
 from kvplan.http_guard import Guard
 from kvplan.http_jobs import HttpJobs
+from kvplan.http_keys import metadata
+from kvplan.http_protocol import Protocol
 from kvplan.openai_errors import ApiError
 
 log = logging.getLogger("kvplan.gateway")
@@ -49,7 +53,8 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
 
     app = FastAPI(title="kvplan", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gw
-    app.add_middleware(Guard, max_body_bytes=cfg.max_body_bytes)      # 413 before a body is read; metrics
+    app.add_middleware(Guard, max_body_bytes=cfg.max_body_bytes, drain_bytes=cfg.drain_bytes,
+                       router=app.router)                         # 413 before a body is parsed; metrics
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -58,8 +63,12 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":          # its loc is a byte offset, not a field
+            at = [x for x in err.get("loc", ()) if isinstance(x, int)]
+            where = f" (at character {at[0]})" if at else ""
+            return JSONResponse(ApiError(400, f"the body is not valid JSON{where}: {err.get('msg')}",
+                                         code="invalid_json").body(), status_code=400)
+        param = api.field_path(x for x in err.get("loc", ()) if x != "body") or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return JSONResponse(ApiError(400, message, param=param, code="invalid_value").body(), status_code=400)
 
@@ -88,23 +97,26 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "executor unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        await gw.authenticate(request)                 # a key, as every /v1 route asks
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": 0,
                                              "owned_by": "kvplan"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatBody, request: Request):
+        key = metadata(request)                        # a malformed key first: 401
         gw.check_model(body.model)
         req = api.chat_request(body)
         gw.check_size(req)
-        return await gw.answer(request, req, body, "chat")
+        return await gw.answer(request, key, req, body, "chat")
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionBody, request: Request):
+        key = metadata(request)
         gw.check_model(body.model)
         req = api.completion_request(body)
         gw.check_size(req)
-        return await gw.answer(request, req, body, "text")
+        return await gw.answer(request, key, req, body, "text")
 
     return app
 
@@ -118,6 +130,6 @@ def run(cfg: HttpConfig | None = None) -> int:
     app = create_app(cfg, cfg.model_name(from_env(ModelConfig)))
     log.info("HTTP API on http://%s:%d/v1 over the executor at %s", cfg.host, cfg.port, cfg.executor_addr)
     # uvicorn binds with SO_REUSEADDR: the port is free again at once after `kvplan down`
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(),
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), http=Protocol,
                 timeout_graceful_shutdown=int(cfg.grace_s), access_log=False)
     return 0

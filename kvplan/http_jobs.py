@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -26,20 +27,21 @@ from kvplan.attempts import AttemptItems, AttemptText, Diverged
 from kvplan.config import HttpConfig
 from kvplan.executor_pool import ExecutorPool
 from kvplan.http_errors import from_grpc, job_ended
+from kvplan.http_guard import report_status
+from kvplan.http_keys import metadata
 from kvplan.keyfile import printable
 from kvplan.openai_errors import ApiError, bad
+from kvplan.openai_shapes import Shape
 from protos import executor_pb2 as pb
 
 log = logging.getLogger("kvplan.gateway")
 TERMINAL = (pb.DONE, pb.FAILED, pb.CANCELLED)
 REATTACH = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-REATTACH_TRIES = 6              # re-attaches of one broken stream (0.5 s, 1 s, 2 s, 4 s, 5 s, 5 s apart)
+# A broken stream re-attaches (0.5 s, 1 s, 2 s, 4 s, then every 5 s) for this long: an executor's
+# start time on a busy CPU, as long as `kvplan up` waits for one (KVPLAN_START_TIMEOUT_S), so a
+# stream outlives its only executor's restart (six tries, 17.5 s, did not: issue 42).
+REATTACH_S = 180.0
 REPLAY = pb.JobEvent()          # `_events`' marker: the job's events start again (a re-attach)
-
-
-def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
-    auth = request.headers.get("authorization")
-    return (("authorization", auth),) if auth else ()
 
 
 def _sse(obj) -> bytes:
@@ -75,6 +77,17 @@ class HttpJobs:
     async def healthy(self) -> bool:
         return await self.pool.healthy()
 
+    async def authenticate(self, request: Request) -> None:
+        """The request's key is one the executors take (401 if not), for a route that starts no
+        job (`/v1/models`): a `GetJob` of no job, which the executor's key check answers first —
+        UNAUTHENTICATED for a bad key, else INVALID_ARGUMENT for the empty job id."""
+        md = metadata(request)
+        try:
+            await self.pool.stubs[self.pool.next()].GetJob(pb.JobRef(job_id=""), metadata=md, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise from_grpc(e) from None
+
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
             raise ApiError(404, f"The model {printable(model)} does not exist; this server serves "
@@ -87,27 +100,45 @@ class HttpJobs:
         except InvalidRequest as e:
             raise bad(api.PARAMS.get(e.field, e.field), str(e).removeprefix(e.field + ": ")) from None
 
-    async def answer(self, request: Request, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
-        """Start the job (its errors are this request's HTTP error), then answer in one JSON body
-        or as an SSE stream; a client that goes away cancels its job, streaming or not."""
-        job, first = await self._start(req, _metadata(request))
-        shape = api.Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
+    async def answer(self, request: Request, key: tuple, req: pb.GenerateRequest, body: api.RequestBody, kind: str):
+        """Start the job with the request's `key` (`metadata`) — its errors are this request's
+        HTTP error — then answer in one JSON body or as an SSE stream; a client that goes away
+        cancels its job, streaming or not.
+
+        A stream's response starts with the job's first token (its first chunk carries the role
+        and that token's text), as vLLM's does: every refusal that comes before it — a budget the
+        plan cannot hold, a strategy that cannot compress this model, found once the prompt is
+        tokenized, planned or prefilled — is this request's HTTP error (400 in OpenAI's shape, so
+        the `openai` client raises BadRequestError before any chunk), and a client's time to
+        first chunk is its time to first token (the role chunk used to go out at once: a TTFT of
+        62 ms for a first token 5 to 25 s later)."""
+        job, first = await self._start(req, key)
+        shape = Shape(kind, first.job_id, self.model_name, logprobs=req.HasField("top_logprobs"))
+        events = self._events(job, first)
         if body.stream:
-            return StreamingResponse(self._stream(job, first, shape, body.include_usage),
+            head = await self._while_connected(request, job, self._head(events))
+            if isinstance(head, JSONResponse):
+                return head
+            return StreamingResponse(self._stream(request, job, events, head, shape, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(self._collect(job, first))
+        got = await self._while_connected(request, job, self._collect(events))
+        return got if isinstance(got, JSONResponse) else JSONResponse(shape.response(got))
+
+    async def _while_connected(self, request: Request, job: _Job, work):
+        """`work`'s value while the client stays; a client that went away cancels the job (499)."""
+        task = asyncio.ensure_future(work)
         try:
-            while not collect.done():
-                await asyncio.wait({collect}, timeout=0.25)
-                if not collect.done() and await request.is_disconnected():
-                    collect.cancel()
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
                     self._cancel(job)
                     return JSONResponse(ApiError(499, "client closed the request").body(), status_code=499)
         except asyncio.CancelledError:                  # the server is stopping this request
-            collect.cancel()
+            task.cancel()
             self._cancel(job)
             raise
-        return JSONResponse(shape.response(collect.result()))
+        return task.result()
 
     async def _start(self, req: pb.GenerateRequest, metadata: tuple) -> tuple[_Job, pb.JobEvent]:
         """Generate on the next executor; one that cannot be reached (UNAVAILABLE before the job
@@ -132,12 +163,13 @@ class HttpJobs:
         executor answering it went away) re-attaches with WatchJob on another executor, which
         replays the job's events: REPLAY marks where they start again."""
         yield first
-        tries = 0
+        tries, broke = 0, 0.0
         while True:
             try:
                 ev = await job.call.read()
             except grpc.aio.AioRpcError as e:
-                if e.code() not in REATTACH or tries >= REATTACH_TRIES:
+                broke = broke or time.monotonic()
+                if e.code() not in REATTACH or time.monotonic() - broke > REATTACH_S:
                     raise from_grpc(e) from None
                 tries += 1
                 await asyncio.sleep(min(5.0, 0.25 * 2 ** tries))
@@ -150,7 +182,7 @@ class HttpJobs:
                 continue
             if ev is grpc.aio.EOF:
                 raise ApiError(502, f"job {job.job_id}: the executor's stream ended without a result")
-            tries = 0
+            tries, broke = 0, 0.0
             yield ev
             kind = ev.WhichOneof("kind")
             if kind == "result":
@@ -161,17 +193,33 @@ class HttpJobs:
                     return
                 raise job_ended(ev.status)
 
-    async def _collect(self, job: _Job, first: pb.JobEvent) -> pb.JobResult:
-        async for ev in self._events(job, first):
+    @staticmethod
+    async def _collect(events) -> pb.JobResult:
+        async for ev in events:
             if ev is not REPLAY and ev.WhichOneof("kind") == "result":
                 return ev.result
         raise ApiError(502, "no result")
 
-    async def _stream(self, job: _Job, first: pb.JobEvent, shape: api.Shape, include_usage: bool):
-        text, tokens, done = AttemptText(), AttemptItems(), False
+    @staticmethod
+    async def _head(events) -> list[pb.JobEvent]:
+        """The job's events up to its first token (or its result); a refusal before it raises."""
+        head = []
+        async for ev in events:
+            head.append(ev)
+            if ev is not REPLAY and ev.WhichOneof("kind") in ("delta", "result"):
+                break
+        return head
+
+    async def _stream(self, request: Request, job: _Job, events, head: list, shape: Shape, include_usage: bool):
+        text, tokens, done, first = AttemptText(), AttemptItems(), False, True
+
+        async def every():
+            for ev in head:
+                yield ev
+            async for ev in events:
+                yield ev
         try:
-            yield _sse(shape.chunk(first=True))
-            async for ev in self._events(job, first):
+            async for ev in every():
                 if ev is REPLAY:
                     text.replay()
                     tokens.replay()
@@ -180,21 +228,24 @@ class HttpJobs:
                 if kind == "delta":
                     new = text.feed(ev.attempt, ev.delta.text)
                     lps = tokens.feed(ev.attempt, list(ev.delta.logprobs))
-                    if new or lps:                       # (text held back by a stop sequence: its tokens still)
-                        yield _sse(shape.chunk(new, logprobs=lps))
+                    if new or lps or first:              # (text held back by a stop sequence: its tokens still)
+                        yield _sse(shape.chunk(new, first=first, logprobs=lps))
+                        first = False
                 elif kind == "result":
                     rest, lps = text.finish(ev.result.text), tokens.finish(list(ev.result.logprobs))
-                    if rest or lps:
-                        yield _sse(shape.chunk(rest, logprobs=lps))
+                    if rest or lps or first:
+                        yield _sse(shape.chunk(rest, first=first, logprobs=lps))
                     yield _sse(shape.last(ev.result))
                     if include_usage:
                         yield _sse(shape.usage_chunk(ev.result))
             done = True
         except ApiError as e:
             done = True
+            report_status(request.scope, e.status)
             yield _sse(e.body())
         except Diverged as e:
             done = True
+            report_status(request.scope, 500)
             yield _sse(ApiError(500, f"job {job.job_id} was re-run and its text changed: {e}").body())
         finally:
             if not done:                                 # the client went away mid-stream

@@ -1,5 +1,5 @@
-"""The OpenAI wire format of the HTTP gateway: request bodies, their translation into a
-`kvplan.v1.GenerateRequest`, and the response, stream-chunk and error bodies.
+"""The OpenAI wire format of the HTTP gateway's requests: their bodies and their translation into
+a `kvplan.v1.GenerateRequest` (the response and stream-chunk bodies: `kvplan.openai_shapes`).
 
 kvplan's own request fields ride next to OpenAI's (the openai client's `extra_body`):
 
@@ -20,21 +20,23 @@ and vLLM's completions take it. `stop` sequences end the text before the first o
 logprob, bytes, top_logprobs}]}` (`logprobs: true`, `top_logprobs: k`), completions'
 `{tokens, token_logprobs, top_logprobs, text_offset}` (`logprobs: k`), streamed with each chunk's
 tokens. Unset `temperature` is greedy (kvplan's default), and a sampled request without a `seed`
-gets one, so a job re-run on another executor replays the same text. What kvplan cannot do is
-refused with 400 naming the parameter, never ignored: `n` > 1, `response_format` other than
-text, `logit_bias`, `best_of`, penalties, tools, `echo`, `suffix`.
+gets one, so a job re-run on another executor replays the same text. vLLM's and SGLang's
+`ignore_eos` and `min_tokens` are honoured. What kvplan cannot do is refused with 400 naming the
+parameter, never ignored: `n` > 1, `response_format` other than text, and every field of
+`kvplan.openai_fields` at a value that asks for something (penalties, `logit_bias`, tools, `top_k`,
+...); a field nobody knows is refused by name.
 """
 from __future__ import annotations
 
 import random
-import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from executor.validation import MAX_TOP_LOGPROBS, check_stops
 from kvcore.request import InvalidRequest
 from kvplan.openai_errors import bad
+from kvplan.openai_fields import check_extra
 from protos import common_pb2, executor_pb2
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
@@ -43,8 +45,14 @@ KV_FIELDS = ("kv_strategy", "kv_ratio", "kv_tokens", "kv_budget", "kv_question")
 PARAMS = {"max_new_tokens": "max_tokens", "budget.reserve_ratio": "kv_ratio", "budget.kv_tokens": "kv_tokens",
           "budget.adaptive.floor_ratio": "kv_budget.adaptive.floor_ratio",
           "strategy": "kv_strategy", "question": "kv_question", "prompt": "prompt"}
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-LOGPROB_FLOOR = -9999.0         # a log-probability of -inf as JSON can write it (vLLM's floor)
+
+
+def field_path(loc) -> str:
+    """A field's path from its parts: `messages[0].role` (pydantic's loc ("messages", 0, "role"))."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
 def check_utf8(value: Any, path: str) -> None:
@@ -70,9 +78,9 @@ def _in_range(param: str, value: int | None, lo: int, hi: int) -> None:
 
 
 class RequestBody(BaseModel):
-    # OpenAI clients send fields kvplan does not use (user, metadata, ...): accepted, except
-    # misspelt kvplan fields (kv_*), which would otherwise be silently ignored. Strict types:
-    # JSON's own (a number is not "0.5", a boolean is not a number), as OpenAI's API checks them.
+    # Strict types: JSON's own (a number is not "0.5", a boolean is not a number), as OpenAI's API
+    # checks them. Fields not modelled here are checked by `kvplan.openai_fields`: taken when they
+    # change nothing, else refused by name.
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = ""
@@ -84,10 +92,9 @@ class RequestBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
+    ignore_eos: bool = False                       # vLLM's and SGLang's: generate max_tokens whatever the model says
+    min_tokens: int | None = None                  # vLLM's and SGLang's: no end-of-text token before this many
     kv_strategy: str = ""
     kv_ratio: float | None = None
     kv_tokens: int | None = None
@@ -113,8 +120,6 @@ class _Message(BaseModel):
 class ChatBody(RequestBody):
     messages: list[_Message]
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
     logprobs: bool | None = None
     top_logprobs_: int | None = Field(None, alias="top_logprobs")
 
@@ -127,9 +132,6 @@ class ChatBody(RequestBody):
 
 class CompletionBody(RequestBody):
     prompt: str | list[str]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
     logprobs: int | None = None
 
     @property
@@ -149,30 +151,14 @@ def _text(content, i: int) -> str:
 
 
 def _unsupported(body: RequestBody) -> None:
-    for name in body.model_extra or {}:
-        if name.startswith("kv_"):
-            raise bad(name, f"unknown kvplan field (known: {', '.join(KV_FIELDS)})")
+    check_extra(body.model_extra or {}, KV_FIELDS)
     if body.n != 1:
         raise bad("n", f"only 1 choice per request is supported, got {body.n} (send {body.n} requests, "
                        "each with its own seed)")
-    if getattr(body, "best_of", None) not in (None, 1):
-        raise bad("best_of", f"only 1 is supported, got {body.best_of}")
     fmt = body.response_format
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", f"only {{\"type\": \"text\"}} is supported (no JSON mode, no JSON schema), "
                                      f"got type {str(fmt.get('type'))[:40]!r}")
-    if body.logit_bias:
-        raise bad("logit_bias", "logit_bias is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise bad(name, "penalties are not supported")
-    for name in ("tools", "functions"):
-        if getattr(body, name, None):
-            raise bad(name, f"{name} are not supported")
-    if getattr(body, "echo", False):
-        raise bad("echo", "echo is not supported")
-    if getattr(body, "suffix", None):
-        raise bad("suffix", "suffix is not supported")
 
 
 def _budget(body: RequestBody) -> common_pb2.Budget:
@@ -224,8 +210,10 @@ def _request(body: RequestBody, max_tokens: int | None, param: str = "max_tokens
         raise bad("top_p", f"must be in (0, 1], got {body.top_p:g}")
     if body.seed is not None and not 0 <= body.seed < 2 ** 64:
         raise bad("seed", f"must be in [0, 2^64), got {body.seed}")
+    _in_range("min_tokens", body.min_tokens, 0, max_tokens if max_tokens is not None else INT32_MAX)
     req = executor_pb2.GenerateRequest(question=body.kv_question, temperature=body.temperature or 0.0,
-                                       strategy=body.kv_strategy, budget=_budget(body), stop=_stops(body.stop))
+                                       strategy=body.kv_strategy, budget=_budget(body), stop=_stops(body.stop),
+                                       ignore_eos=body.ignore_eos, min_tokens=body.min_tokens or 0)
     k = body.top_logprobs
     if k is not None:
         _in_range("top_logprobs" if isinstance(body, ChatBody) else "logprobs", k, 0, MAX_TOP_LOGPROBS)
@@ -271,77 +259,3 @@ def completion_request(body: CompletionBody) -> executor_pb2.GenerateRequest:
         prompt = prompt[0]
     req.prompt, req.raw_prompt = prompt, True          # the text to continue, as it is: no chat template
     return req
-
-
-def usage(r: executor_pb2.JobResult) -> dict[str, Any]:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.generated_tokens,
-            "total_tokens": r.prompt_tokens + r.generated_tokens,
-            "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes, "reserve_ratio": r.reserve_ratio,
-            "degraded": r.degraded, "budget_met": r.budget_met if r.HasField("budget_met") else None,
-            "budget_floor_tokens": r.budget_floor_tokens, "kv_strategy": r.strategy}
-
-
-class Shape:
-    """The response and chunk bodies of one request: `chat` (chat.completion) or `text`
-    (text_completion); with `logprobs`, each choice's tokens' log-probabilities in that kind's
-    OpenAI shape."""
-
-    def __init__(self, kind: Literal["chat", "text"], job_id: str, model: str, logprobs: bool = False):
-        self.kind, self.model, self.created = kind, model, int(time.time())
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{job_id}"
-        self.logprobs = logprobs
-        self.offset = 0                       # text_offset of the next token (completions)
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def response(self, r: executor_pb2.JobResult) -> dict[str, Any]:
-        finish = FINISH.get(r.finish_reason, "stop")
-        lps = self._logprobs(r.logprobs)
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": r.text}, "finish_reason": finish,
-                      "logprobs": lps}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage(r)}
-        choice = {"index": 0, "text": r.text, "finish_reason": finish, "logprobs": lps}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(r)}
-
-    def chunk(self, text: str = "", finish: str | None = None, first: bool = False,
-              logprobs=()) -> dict[str, Any]:
-        """One stream chunk: `text` and the log-probabilities of the tokens it came with."""
-        lps = self._logprobs(logprobs) if logprobs else None
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {**self._head("chat.completion.chunk"),
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}]}
-        return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lps}]}
-
-    def last(self, r: executor_pb2.JobResult) -> dict[str, Any]:
-        return self.chunk(finish=FINISH.get(r.finish_reason, "stop"))
-
-    def usage_chunk(self, r: executor_pb2.JobResult) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(r)}
-
-    def _logprobs(self, entries) -> dict[str, Any] | None:
-        """`TokenLogprob`s in this kind's shape: chat's {"content": [...], "refusal": None};
-        completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
-        if not self.logprobs:
-            return None
-        if self.kind == "chat":
-            return {"content": [{**_entry(e.token, e.logprob), "top_logprobs": [_entry(t.token, t.logprob) for t in e.top]}
-                                for e in entries], "refusal": None}
-        offsets = []
-        for e in entries:
-            offsets.append(self.offset)
-            self.offset += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
-                "top_logprobs": [{t.token: _lp(t.logprob) for t in e.top} for e in entries], "text_offset": offsets}
-
-
-def _lp(x: float) -> float:
-    return max(float(x), LOGPROB_FLOOR)
-
-
-def _entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", "replace"))}

@@ -72,6 +72,12 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:                  # (the key gate's refusals: they never read the request)
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
         return handler
 
 

@@ -24,7 +24,7 @@ FAILED: JobState
 CANCELLED: JobState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile", "ignore_eos", "raw_prompt", "stop", "top_logprobs")
+    __slots__ = ("prompt", "messages", "question", "max_new_tokens", "temperature", "top_p", "seed", "strategy", "budget", "tenant", "profile", "ignore_eos", "raw_prompt", "stop", "top_logprobs", "min_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     question: str
@@ -55,7 +56,8 @@ class GenerateRequest(_message.Message):
     raw_prompt: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
     top_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    min_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., question: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., tenant: _Optional[str] = ..., profile: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., raw_prompt: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)

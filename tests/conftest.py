@@ -18,7 +18,7 @@ import tempfile  # noqa: E402
 os.environ["KVPLAN_STATE_DIR"] = tempfile.mkdtemp(prefix="kvplan-test-state-")
 
 from cachestore.process import free_port
-from kvplan.cluster import wait_redis
+from kvplan.members import wait_redis
 from kvplan.config import ModelConfig, from_env
 
 

@@ -3,7 +3,10 @@
 - an executor killed while it holds a job: a second executor re-claims and finishes it, and
   the client watching the job gets the result;
 - `kvplan up` / `generate` / `down` from the CLI: the answer, and no process left behind; then
-  `up` again at once on the same ports, with the key `kvplan keys add` made still valid.
+  `up` again at once on the same ports, with the key `kvplan keys add` made still valid;
+- the executor of a `kvplan up` cluster SIGKILLed under an HTTP stream: `kvplan status` exits 1,
+  `kvplan up` starts it again (it said "a cluster is already up" before issue 42), every member
+  serves, and the stream goes on to the job's text.
 """
 import json
 import os
@@ -108,8 +111,8 @@ def _kvplan(*args, env, timeout=300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def test_kvplan_up_generate_down(tmp_path, real_model_dir):
-    env = dict(os.environ, KVPLAN_STATE_DIR=str(tmp_path / "state"))
+def _up_env(tmp_path: Path, **extra) -> dict:
+    env = dict(os.environ, KVPLAN_STATE_DIR=str(tmp_path / "state"), **extra)
     for name in ("PLANNER", "CACHESTORE", "EXECUTOR"):
         env[f"KVPLAN_{name}_PORT"] = str(free_port())
         env[f"KVPLAN_{name}_METRICS_PORT"] = str(free_port())
@@ -117,6 +120,11 @@ def test_kvplan_up_generate_down(tmp_path, real_model_dir):
     env["KVPLAN_AUTH"] = "on"              # as in production: `kvplan up` makes the keys, the CLI uses its admin key
     for k in ("KVPLAN_REDIS_URL", "KVPLAN_EXECUTOR_ADDR", "KVPLAN_PLANNER_ADDR", "KVPLAN_CACHESTORE_ADDR"):
         env.pop(k, None)
+    return env
+
+
+def test_kvplan_up_generate_down(tmp_path, real_model_dir):
+    env = _up_env(tmp_path)
     up = _kvplan("up", env=env)
     assert up.returncode == 0, up.stderr
     try:
@@ -177,3 +185,46 @@ def _the_http_api_answers(address: str, state: Path) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"http://{address}/v1", api_key="not-a-key", max_retries=0).completions.create(
             model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=2)
+
+
+def test_a_killed_executor_comes_back_with_kvplan_up_and_its_stream_goes_on(tmp_path, real_model_dir, monkeypatch):
+    import threading
+    import openai
+    from kvplan.keyfile import ADMIN_KEY_FILE
+    env = _up_env(tmp_path, KVPLAN_CLAIM_IDLE_MS="3000", KVPLAN_HEARTBEAT_MS="500")
+    assert _kvplan("up", env=env).returncode == 0
+    try:
+        members = {m["name"]: m for m in json.loads((tmp_path / "state" / "cluster.json").read_text())["members"]}
+        key = (tmp_path / "state" / ADMIN_KEY_FILE).read_text().strip()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{env['KVPLAN_HTTP_PORT']}/v1", api_key=key, max_retries=0,
+                               timeout=600)
+        got, first = {}, threading.Event()
+
+        def read():
+            text = ""
+            for chunk in client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=96,
+                    messages=[{"role": "user", "content": "Count from one to fifty in words."}],
+                    extra_body={"ignore_eos": True}):
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+                got["id"] = chunk.id
+                first.set()
+            got["text"] = text
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(300), "no first chunk"
+        os.kill(members["executor"]["pid"], signal.SIGKILL)
+        status = _kvplan("status", env=env)
+        assert status.returncode == 1 and "DEAD" in status.stdout, status.stdout
+        again = _kvplan("up", env=env)
+        assert again.returncode == 0 and "was dead: started again" in again.stdout, (again.stdout, again.stderr)
+        status = _kvplan("status", env=env)
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 4, status.stdout
+        reader.join(600)
+        assert not reader.is_alive() and "text" in got, "the stream did not go on"
+        monkeypatch.setenv("KVPLAN_API_KEY", key)
+        with ExecutorClient(f"127.0.0.1:{env['KVPLAN_EXECUTOR_PORT']}", 60) as c:
+            job = c.get(got["id"].removeprefix("chatcmpl-"))
+        assert job.state == pb.DONE and job.attempts == 2 and got["text"] == job.result.text
+    finally:
+        assert _kvplan("down", env=env).returncode == 0

@@ -22,7 +22,9 @@ APART = ("planner", "executor")          # neither imports the other
 # default and the HTTP API. They import the services; a service (or what it imports) never imports them.
 FRONT = ("kvplan", *(f"kvplan.{m}" for m in (
     "sdk", "inprocess", "embedded", "client", "attempts", "ticker", "progress", "cli", "jobrun", "demo", "planview",
-    "cluster", "keyscmd", "gateway", "http_errors", "http_guard", "http_jobs", "openai_api", "openai_errors",
+    "cluster", "members", "keyscmd", "gateway", "http_errors", "http_guard", "http_jobs", "http_keys",
+    "http_protocol",
+    "openai_api", "openai_errors", "openai_fields", "openai_shapes",
     "executor_pool")))
 
 

@@ -159,7 +159,7 @@ class Scheduler:
         forced = seq.sampling.forced
         if len(seq.generated) < len(forced):
             tok = forced[len(seq.generated)]
-        if tok in self.stop_ids and not seq.sampling.ignore_eos:
+        if tok in self.stop_ids and not seq.sampling.ignore_eos and len(seq.generated) >= seq.sampling.min_tokens:
             seq.finish("eos")
             return
         seq.append(tok, logprob)

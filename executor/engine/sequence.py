@@ -57,6 +57,7 @@ class Sampling:
     ignore_eos: bool = False          # generate max_new_tokens whatever the model says (benchmarks)
     stop: tuple[str, ...] = ()        # stop sequences: the text ends before the first one generated
     logprobs: int | None = None       # set: each token's log-probability and this many top tokens'
+    min_tokens: int = 0               # an end-of-text token before this many generated goes on as ignore_eos
     forced: tuple[int, ...] = ()      # the tokens taken instead of the sampled ones (teacher forcing: benches)
 
 

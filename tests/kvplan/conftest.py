@@ -20,14 +20,19 @@ def embedded(model_cfg, real_model_dir):
 
 
 @contextlib.contextmanager
-def http_gateway(executor_addr: str, model_name: str = "test-model"):
-    """-> the gateway's base URL (http://127.0.0.1:PORT), serving until the block ends."""
+def http_gateway(executor_addr: str, model_name: str = "test-model", **settings):
+    """-> the gateway's base URL (http://127.0.0.1:PORT), serving until the block ends; `settings`:
+    HttpConfig fields."""
     import uvicorn
     from kvplan.gateway import create_app
-    cfg = HttpConfig(port=0, executor_addr=executor_addr, timeout_s=600)
-    sock = socket.socket()
+    from kvplan.http_protocol import Protocol
+    cfg = HttpConfig(**{"port": 0, "executor_addr": executor_addr, "timeout_s": 600, **settings})
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say it, and without it every
+    # response (headers, then body) waited ~40 ms for the client's delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg, model_name), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, model_name), log_level="warning", lifespan="on",
+                                           http=Protocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -57,6 +57,13 @@ class Script(executor_pb2_grpc.ExecutorServicer):
         for ev in self.events:
             yield ev
 
+    async def GetJob(self, ref, context):
+        """As the executor's: an empty job id is INVALID_ARGUMENT (the HTTP API's key check asks it)."""
+        self._record("GetJob", context)
+        if not ref.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: must be 1 to 128 printable characters")
+        return pb.JobStatus(job_id=ref.job_id, state=pb.RUNNING)
+
     async def CancelJob(self, ref, context):
         self._record("CancelJob", context)
         self.cancelled.append(ref.job_id)

@@ -132,6 +132,54 @@ def test_a_budget_the_strategy_cannot_hold_is_400_with_the_ratio_that_fits(real_
     assert "keeps at least 32" in err["message"] and " fits" in err["message"]
 
 
+def _counted(name: str, **labels) -> float:
+    """A counter of the in-process executor, summed over the series with `labels`."""
+    from prometheus_client import REGISTRY
+    return sum(x.value for m in REGISTRY.collect() for x in m.samples
+               if x.name == name and all(x.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_budget_refused_in_a_stream_is_bad_request_before_any_chunk(real_api):
+    """docs/http-api.md's streaming example with a budget the plan cannot hold: a 200, a role chunk
+    and a bare APIError mid-stream before (issue 41); the refusal counted as one, not as FAILED."""
+    refused, failed = _counted("kvplan_executor_jobs_refused_total"), _counted("kvplan_executor_jobs_total",
+                                                                              state="FAILED")
+    with pytest.raises(openai.BadRequestError) as e:
+        _openai(real_api).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name three colours of the rainbow."}], max_tokens=8,
+            stream=True, extra_body={"kv_strategy": "snapkv", "kv_ratio": 0.3})
+    assert e.value.body["param"] == "kv_ratio" and " fits" in e.value.body["message"]
+    assert _counted("kvplan_executor_jobs_refused_total", field="budget.reserve_ratio") >= 1
+    assert _counted("kvplan_executor_jobs_refused_total") == refused + 1
+    assert _counted("kvplan_executor_jobs_total", state="FAILED") == failed
+
+
+def test_the_first_chunk_comes_with_the_first_token(real_api, embedded):
+    """Judged by the job's own clock: its first token came at submitted_at + ttft_s; the first chunk
+    arrives after it (the role chunk used to come at once, before the prefill)."""
+    stream = _openai(real_api).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": DEMO_CONTEXT}], max_tokens=4, stream=True)
+    first_at, chunk = None, None
+    for chunk in stream:
+        first_at = first_at or time.time()
+    with ExecutorClient(embedded.executor_addr, 60) as c:
+        status = c.get(chunk.id.removeprefix("chatcmpl-"))
+    assert status.state == pb.DONE and status.result.ttft_s > 0
+    assert first_at >= status.submitted_at + status.result.ttft_s
+
+
+def test_ignore_eos_and_min_tokens_decide_how_many_tokens_come(real_api):
+    client = _openai(real_api)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Reply with the single word OK."}], max_tokens=64)
+    free = client.chat.completions.create(**ask)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and n < 56                # the model ends it by itself
+    held = client.chat.completions.create(**ask, extra_body={"min_tokens": n + 8})
+    assert held.usage.completion_tokens >= n + 8
+    forced = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 64
+
+
 def test_curl_shows_server_sent_events(real_api):
     if shutil.which("curl") is None:
         pytest.fail("curl is not installed (apt-get install -y curl)")
@@ -210,6 +258,12 @@ def test_a_client_that_goes_away_before_a_whole_answer_cancels_its_job(real_api)
     ({"top_logprobs": 2}, "top_logprobs", 'needs "logprobs": true'),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20], got 21"),
     ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+    ({"foo": 1}, "foo", "foo: unknown field"),                     # was a 200 (issue 42): refused as OpenAI's API does
+    ({"top_k": 5}, "top_k", "top-k sampling is not supported"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "only 1 is taken"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "only true is taken"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", "must be in [0, 4], got 9"),
+    ({"ignore_eos": 1}, "ignore_eos", "ignore_eos:"),
     ({"temperature": -1}, "temperature", "must be >= 0"),
 ])
 def test_bad_input_is_400_in_openais_error_shape_before_any_job(fake, extra, param, words):
@@ -223,6 +277,18 @@ def test_bad_input_is_400_in_openais_error_shape_before_any_job(fake, extra, par
     raw = httpx.post(f"{fake.url}/v1/chat/completions",
                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_what_serving_clients_send_is_taken_or_honoured(fake):
+    """vLLM's benchmark client sends ignore_eos and a neutral repetition_penalty, OpenAI's clients
+    `user`; a JSON null is an absent field."""
+    fake.script.events = events((1, ["ok"]), result=result("ok"))
+    extra = {"ignore_eos": True, "min_tokens": 3, "repetition_penalty": 1.0, "top_k": -1, "user": "u-1",
+             "request_id": "r-1", "logprobs": None, "skip_special_tokens": True, "presence_penalty": 0}
+    got = _openai(fake.url).completions.create(model=MODEL, prompt="hi", max_tokens=8, extra_body=extra)
+    assert got.choices[0].text == "ok"
+    req = fake.script.requests[0]
+    assert req.ignore_eos and req.min_tokens == 3 and req.max_new_tokens == 8
 
 
 def test_unknown_model_is_404_and_a_malformed_body_400(fake):
@@ -295,13 +361,42 @@ def test_a_rerun_streams_each_tokens_logprob_once(fake):
     assert fake.script.requests[0].top_logprobs == 1
 
 
-def test_a_failed_job_mid_stream_is_an_error_event(fake):
+def _http_requests(url: str, route: str, status: int) -> float:
+    line = f'kvplan_http_requests_total{{route="{route}",status="{status}"}} '
+    return sum(float(x.removeprefix(line)) for x in httpx.get(f"{url}/metrics").text.splitlines() if x.startswith(line))
+
+
+def test_a_failed_job_mid_stream_is_an_error_event_counted_with_its_status(fake):
     fake.script.events = events((1, ["Hel"])) + [pb.JobEvent(job_id="job0", attempt=1, status=pb.JobStatus(
         job_id="job0", state=pb.FAILED, error="RuntimeError: boom"))]
+    before = _http_requests(fake.url, "/v1/chat/completions", 500)
     with pytest.raises(openai.APIError) as e:
         list(_openai(fake.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                        stream=True))
     assert "boom" in str(e.value)
+    assert _http_requests(fake.url, "/v1/chat/completions", 500) == before + 1      # not the 200 on the wire
+
+
+def test_a_refusal_before_the_first_token_is_400_before_any_chunk(fake):
+    """A budget the plan cannot hold is found once the job is queued and planned: the stream used to
+    start with a 200 and a role chunk, then end in a bare APIError mid-stream (issue 41)."""
+    fake.script.events = events((1, [])) + [pb.JobEvent(job_id="job0", attempt=1, status=pb.JobStatus(
+        job_id="job0", state=pb.FAILED, error_field="budget.reserve_ratio",
+        error="budget.reserve_ratio: snapkv cannot hold reserve ratio 0.01 (0.2 fits)"))]
+    before = _http_requests(fake.url, "/v1/chat/completions", 400)
+    with pytest.raises(openai.BadRequestError) as e:
+        _openai(fake.url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  stream=True, extra_body={"kv_ratio": 0.01})
+    assert e.value.body["param"] == "kv_ratio" and "0.2 fits" in e.value.body["message"]
+    assert _http_requests(fake.url, "/v1/chat/completions", 400) == before + 1
+
+
+def test_the_first_chunk_carries_the_first_token(fake):
+    fake.script.events = events((1, ["Hel", "lo"]), result=result("Hello"))
+    chunks = [c for c in _openai(fake.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == "Hel"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello"
 
 
 def test_metrics_count_requests(fake):

@@ -13,6 +13,7 @@ from collections import Counter
 
 from cachestore.process import free_port
 from kvplan import cluster
+from kvplan import members as processes
 from kvplan.ticker import Ticker
 
 
@@ -74,8 +75,8 @@ def test_up_says_which_service_it_waits_for_and_what_its_log_says(monkeypatch, t
     def health(m):
         asked[m.name] += 1
         return "SERVING" if asked[m.name] > 1 else "NOT_SERVING"
-    monkeypatch.setattr(cluster, "_spawn", spawn)
-    monkeypatch.setattr(cluster, "member_health", health)
+    monkeypatch.setattr(processes, "spawn", spawn)
+    monkeypatch.setattr(processes, "member_health", health)
     from kvplan.config import ClusterConfig, ModelConfig, from_env
     try:
         members = cluster.up(from_env(ClusterConfig), from_env(ModelConfig))
@@ -84,7 +85,7 @@ def test_up_says_which_service_it_waits_for_and_what_its_log_says(monkeypatch, t
         for name in ("planner", "cachestore", "executor", "http"):
             assert f"kvplan: waiting for the {name} to serve ..." in err
             assert f"kvplan: {name:<10} SERVING" in out
-        assert cluster._last_line(tmp_path / "executor.log") == "INFO kvplan.executor: loading the executor"
+        assert processes.last_line(tmp_path / "executor.log") == "INFO kvplan.executor: loading the executor"
     finally:
         for p in procs:
             p.kill()

@@ -1,8 +1,10 @@
-"""Operator traps of `kvplan up` and the CLI (issue 33), without the model: a port whose last
-connections linger in TIME_WAIT is free again at once; a cluster that is up but unhealthy is
+"""Operator traps of `kvplan up` and the CLI (issues 33 and 42), without the model: a port whose
+last connections linger in TIME_WAIT is free again at once; a cluster that is up but unhealthy is
 an error naming it (not a silent run in process without the cluster's keys); `kvplan up` with a
 keys file of one's own and no services' key in it refuses to start, saying why; the keys an
-operator added survive the next `kvplan up`. (tests/test_cluster.py runs `up`/`down`/`up` for real.)"""
+operator added survive the next `kvplan up`; `kvplan up` over a cluster with a dead member starts
+it again with the cluster's settings, `kvplan restart NAME` restarts one, `kvplan status` exits 1
+while one is dead. (tests/test_cluster.py runs `up`/`down`/`up` and a killed executor for real.)"""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvplan import cli, cluster, keyfile
+from kvplan import cli, cluster, keyfile, members
 from kvplan.config import ConfigError
 from cachestore.process import free_port
 
@@ -39,12 +41,12 @@ def test_a_port_in_time_wait_is_free_at_once_for_up_and_for_grpc():
     port = free_port()
     _time_wait(port)
     assert "TIME-WAIT" in _states(port)
-    assert cluster._port_free(port)                    # `kvplan up`'s check ("port 8000 is taken" before)
+    assert members.port_free(port)                    # `kvplan up`'s check ("port 8000 is taken" before)
     server = grpc.server(futures.ThreadPoolExecutor(1), options=[("grpc.so_reuseport", 0)])   # as serving.start
     assert server.add_insecure_port(f"127.0.0.1:{port}") == port
     server.start()
     try:
-        assert not cluster._port_free(port)            # a listener: taken
+        assert not members.port_free(port)            # a listener: taken
     finally:
         server.stop(0)
 
@@ -133,3 +135,64 @@ def test_keys_add_sets_a_tenants_weight_and_refuses_a_bad_one(tmp_path, capsys):
     assert keyfile.KeyRing(f).weight("nobody") == 1.0
     assert cli.main(["keys", "add", "--tenant", "gold", "--weight", "0", "--file", str(f)]) == 2
     assert "--weight: must be a number in (0, 1000]" in capsys.readouterr().err
+
+
+@pytest.fixture
+def half_dead(state, monkeypatch):
+    """A cluster whose planner, cachestore and HTTP API live and whose executor was SIGKILLed;
+    spawning and health are scripted: -> (spawned [(name, env)], the live processes)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(3)]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    pids = {"planner": procs[0].pid, "cachestore": procs[1].pid, "executor": gone.pid, "http": procs[2].pid}
+    (state / "cluster.json").write_text(json.dumps({"members": [
+        {"name": n, "pid": pid, "address": f"127.0.0.1:{free_port()}"} for n, pid in pids.items()]}))
+    (state / cluster.ENV_FILE).write_text(json.dumps({"KVPLAN_AUTH": "off", "KVPLAN_EXECUTOR_ADDR": "127.0.0.1:1"}))
+    spawned = []
+
+    def spawn(name, argv, env, d):
+        spawned.append((name, env))
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return procs[-1]
+    health = lambda m: "SERVING" if members.is_alive(m.pid) else "DOWN"      # noqa: E731
+    monkeypatch.setattr(members, "spawn", spawn)
+    for module in (members, cluster):
+        monkeypatch.setattr(module, "member_health", health)
+    monkeypatch.setenv("KVPLAN_EXECUTOR_ADDR", "127.0.0.1:2")                  # the shell's: the cluster's wins
+    yield spawned, procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_up_starts_again_the_member_that_died_and_says_so(state, half_dead, capsys):
+    """Before issue 42: "a cluster is already up", exit 0, the executor still DEAD."""
+    spawned, _ = half_dead
+    assert cli.main(["status"]) == 1 and "DEAD" in capsys.readouterr().out
+    assert cli.main(["up"]) == 0
+    out = capsys.readouterr().out
+    assert [name for name, _ in spawned] == ["executor"]
+    assert spawned[0][1]["KVPLAN_EXECUTOR_ADDR"] == "127.0.0.1:1" and spawned[0][1]["KVPLAN_AUTH"] == "off"
+    assert "executor" in out and "(was dead: started again)" in out and out.count("(running)") == 3
+    assert cli.main(["status"]) == 0 and "DEAD" not in capsys.readouterr().out
+    assert cli.main(["up"]) == 0 and "nothing to start" in capsys.readouterr().out and len(spawned) == 1
+
+
+def test_restart_stops_one_member_and_starts_it_again(state, half_dead, capsys):
+    spawned, procs = half_dead
+    old = json.loads((state / "cluster.json").read_text())["members"][0]
+    assert cli.main(["restart", "planner"]) == 0
+    out = capsys.readouterr().out
+    assert "planner" in out and "(restarted: started again)" in out
+    assert procs[0].wait(10) is not None                                       # the old planner was stopped
+    now = {m["name"]: m for m in json.loads((state / "cluster.json").read_text())["members"]}
+    assert now["planner"]["address"] == old["address"] and now["planner"]["pid"] != old["pid"]
+    assert [name for name, _ in spawned] == ["planner", "executor"]           # (and the dead one with it)
+    with pytest.raises(SystemExit) as e:                                        # argparse: exit 2
+        cli.main(["restart", "nothing"])
+    assert e.value.code == 2
+
+
+def test_restart_without_a_cluster_says_so(state, capsys):
+    assert cli.main(["restart", "executor"]) == 1
+    assert "no cluster is up" in capsys.readouterr().err

@@ -171,6 +171,18 @@ def test_ignore_eos_generates_max_new_tokens_past_the_end_token(tiny_model):
     assert goes_on.finish_reason == "length" and len(goes_on.generated) == 6 and goes_on.generated[0] == first
 
 
+def test_min_tokens_holds_the_end_token_back_until_then(tiny_model):
+    """vLLM's `min_tokens`: every token ends a job here, yet not before the job has its three."""
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefill_chunk=32)
+    prompt = Prompt(list(range(100, 140)), [])
+    engine.scheduler.stop_ids = set(range(1 << 20))
+    at_once, held = (engine.sequence(prompt, full_plan(2, "f"), Sampling(6, min_tokens=k)) for k in (0, 3))
+    engine.add(at_once), engine.add(held)
+    engine.run_all()
+    assert at_once.finish_reason == "eos" and at_once.generated == []
+    assert held.finish_reason == "eos" and len(held.generated) == 3
+
+
 @pytest.mark.parametrize("name", ["full", "snapkv-repeat", "snapkv-mean", "codebook", "quant", "merge", "offload"])
 def test_a_plan_that_comes_after_the_context_compresses_the_same_cache(tiny_model, name):
     """The plan from the executor's own prefill statistics: the context runs dense, its last chunk
