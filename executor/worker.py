@@ -232,7 +232,7 @@ class Worker:
         validation.check_length(prompt, checked.max_new_tokens, lm.max_context)
         sampling = Sampling(checked.max_new_tokens, checked.temperature, checked.top_p, checked.seed,
                             ignore_eos=req.ignore_eos, stop=checked.stop, logprobs=checked.top_logprobs,
-                            min_tokens=checked.min_tokens)     # (by name: Sampling gained `forced` mid-list)
+                            min_tokens=checked.min_tokens)
         job.plan_call = functools.partial(self.planner.plan, job_id, req.tenant, req.strategy, req.budget, req.profile,
                                           len(prompt.context_ids), lm, suffix_tokens=len(prompt.question_ids),
                                           new_tokens=checked.max_new_tokens)

@@ -257,7 +257,8 @@ def test_triton_kernels_compile_for_sm90():
                sin_ptr="*fp32", T="i32", MBD="i32", MBQ="i32", MBC="i32", MBK="i32", MBV="i32", PAGE="i32", S="i32",
                GH="i32", scaling="fp32")
     for h, hc, hp, d, tq in ((3, 4, 4, 64, 16), (9, 8, 16, 64, 16), (4, 4, 4, 16, 16), (1, 1, 1, 128, 16)):
-        k = compile_for_hopper(pd._paged_decode_split, sig, dict(H=h, HC=hc, HP=hp, D=d, R=16, M=240, E=32, TQ=tq))
+        k = compile_for_hopper(pd._paged_decode_split, sig, dict(H=h, HC=hc, HP=hp, D=d, R=16, M=240, E=32, TQ=tq,
+                                                                 SP=pd.SPLIT_PAGES))
         assert "cubin" in k.asm
         k = compile_for_hopper(pd._paged_decode_merge,
                                dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32",
