@@ -3,7 +3,7 @@ auto, specache and spindlekv, each planned for its own prompt by the planner's s
 same greedy tokens batched together as each alone, with CUDA graphs and without; and the decode
 step's graph gives eager's tokens.
 
-    python -m bench.gpu_check [--length 600] [--new-tokens 12] [--out bench/results/gpu_check]
+    python -m bench.gpu_check [--length 600] [--new-tokens 12] [--out OUT]
 
 Exits non-zero on a mismatch, printing which job and where; writes JSON."""
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=600)
     ap.add_argument("--new-tokens", type=int, default=12)
-    ap.add_argument("--out", default="bench/results/gpu_check")
+    ap.add_argument("--out", default="gpu-out/check")
     args = ap.parse_args(argv)
     lm = models.load(from_env(ModelConfig))
     work = jobs(lm, args.length, args.new_tokens)

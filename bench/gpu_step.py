@@ -3,7 +3,7 @@ decoding together under a full plan, the mean step time with CUDA graphs and wit
 the floor: the bytes a step must read (every sequence's fp16 KV and the weights once) over the
 device's copy bandwidth, measured in the same run by a device-to-device copy.
 
-    python -m bench.gpu_step [--seqs 4 16] [--length 3500] [--steps 30] [--out bench/results/gpu_step]
+    python -m bench.gpu_step [--seqs 4 16] [--length 3500] [--steps 30] [--out OUT]
 
 Random token ids; any model folder (KVPLAN_MODEL): with random weights of SmolLM2's shape the bytes
 and the kernels are the real model's. Writes JSON and prints a markdown table."""
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--length", type=int, default=3500)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", default="bench/results/gpu_step")
+    ap.add_argument("--out", default="gpu-out/step")
     args = ap.parse_args(argv)
     lm = models.load(from_env(ModelConfig))
     if lm.device.type != "cuda":

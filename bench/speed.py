@@ -39,7 +39,7 @@ CODEBOOK_BUILD = "build_codebook"                  # the kernel dispatch that bu
 
 @contextlib.contextmanager
 def compress_timer():
-    """For the bench only: every press (`executor.presses.PRESSES`) and the codebook press's
+    """For the bench only: every press (`executor.presses.registry.PRESSES`) and the codebook press's
     `build_codebook` wrapped with perf_counter. Yields the log, one entry per compressed layer:
     {layer, kind, compress_s (scoring, selection, codebooks, stores), codebook_s}."""
     log, state = [], {"codebook_s": 0.0}

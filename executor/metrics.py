@@ -34,6 +34,8 @@ LONGEST_STEP = Gauge("kvplan_executor_step_seconds_max", "the longest engine ste
 MOST_RUNNING = Gauge("kvplan_executor_decoding_sequences_peak", "most sequences that decoded in one step")
 SHRINKS = Counter("kvplan_executor_shrinks_total", "running jobs' caches shrunk to a lower-ratio plan to make room "
                   "for waiting jobs (compress instead of preempt), by the new ratio", ["ratio"])
+PREEMPTED = Gauge("kvplan_executor_preemptions", "sequences the engine preempted because the KV pool had too few free "
+                  "pages for a step (a defect of the reservations: each is logged as an error; recomputed, not failed)")
 SHRINK_FREED = Counter("kvplan_executor_shrink_freed_bytes_total", "reserved bytes the shrinks gave back to the budget")
 PREFILL_S = Histogram("kvplan_executor_prefill_seconds", "prefill time per job", buckets=_SECONDS)
 
@@ -54,6 +56,7 @@ def observe_usage(engine) -> None:
         STEP_TOKENS.labels(kind).inc(tokens)
         LONGEST_STEP.labels(kind).set(engine.stats.longest[kind])
     MOST_RUNNING.set(engine.stats.most_running)
+    PREEMPTED.set(engine.stats.preempted)
     for s in engine.shrunk:
         SHRINKS.labels(f"{s.ratio:g}").inc()
         SHRINK_FREED.inc(max(s.reserved_before - s.reserved_after, 0))

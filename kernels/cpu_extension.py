@@ -3,7 +3,8 @@ decoder's per-row ops), compiled once per machine with torch's
 cpp_extension and cached in TORCH_EXTENSIONS_DIR (the first time takes a compiler's minute;
 a changed source rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
 first decode waits for a compiler. Where no compiler is, `module()` is None and the launchers
-(`kernels.dense_decode`, `kernels.quant_decode`) take their torch references."""
+(`kernels.paged_decode`, `kernels.paged_prefill`, `kernels.decoder_ops`, `kernels.kv_write`) take
+their torch references."""
 from __future__ import annotations
 
 import logging

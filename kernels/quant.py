@@ -16,14 +16,14 @@ values each code holds): with the group's codes q and m = g,
 and the codes are recomputed from the new pair (a group whose codes are all equal keeps its
 pair). Each refit can only lower the group's squared error before the fp16 rounding; on
 SmolLM2's keys (per channel, g = 32) three refits cut the relative error from 0.19 to 0.15 at
-2 bits and from 0.31 to 0.28 at 1 bit (`executor.layers.lowbit`: what that does to attention).
+2 bits and from 0.31 to 0.28 at 1 bit (SpeCache's low-bit keys, `executor.presses.offload`: what that does to attention).
 
 Codes of bits ∈ {1, 2, 4, 8} are packed P = 8 / bits to a uint8, little end first: value j of a
 row sits in byte j // P at bit (j % P) * bits; g must be a multiple of P, so a group owns whole
 bytes.
 
 K per channel (groups of g tokens) and V per token (groups of g channels) both use this form:
-the caller lays the grouped axis last (`executor.layers.quant`). Three pieces, as for every
+the caller lays the grouped axis last (`executor.engine.block_tables`). Three pieces, as for every
 kernel here: Triton kernels, their launchers (checking shapes, dtypes, strides), and the
 plain-torch references that define them; `kernels.dispatch` picks one.
 """

@@ -3,7 +3,7 @@
 A model whose attention implementation is "kvplan" runs its own layers (projections, norms,
 RoPE: whatever its architecture does) and hands each layer's post-RoPE queries, keys and values
 here; the handler set for this forward (`using`) answers: the executor's planned cache
-(`executor.attention`), the planner's probe (`planner.probe`). With no handler, plain causal
+the planner's probe (`planner.probe`). With no handler, plain causal
 attention. The handler is a context variable, so forwards in different threads (an executor
 stepping, a probe) never see each other's.
 

@@ -107,7 +107,7 @@ class ModelRunner:
 
     def new_cache(self, plan: CompressionPlan) -> SeqCache:
         """A sequence's cache; it takes its slot when admitted (`SeqCache.open`). A plan the pool
-        cannot hold is refused here, before any work (`executor.presses.check`)."""
+        cannot hold is refused here, before any work (`executor.presses.registry.check`)."""
         lm = self.lm
         check(plan, lm.num_layers, lm.num_query_heads, lm.num_kv_heads, self.layout)
         return SeqCache(plan, self.tables, lm.num_kv_heads, lm.head_dim)

@@ -1,4 +1,4 @@
-"""KVCrush (executor/kvcrush.py): head-behaviour bits, anchors, Hamming distances, equal-count
+"""KVCrush (executor/presses/kvcrush.py): head-behaviour bits, anchors, Hamming distances, equal-count
 buckets and representatives on a hand-made example (spec kvcrush.md §2.2–2.4, §2.8), the
 budget split and its edge cases, and an evicted layer of the tiny GQA model (4 query heads,
 2 KV heads, D = 16) that keeps exactly its budget with KVCrush on, for both scorers and GQA modes."""
