@@ -785,9 +785,9 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void write_kv(torch::Tensor rows, torch::Tensor at, torch::Tensor k, torch::Tensor v, int64_t R);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then RMSNorm of it");
-  m.def("rope_", &rope_, "RoPE on fp32 rows in place");
+  m.def("rope_", &rope_, "RoPE on fp32 or bf16 rows in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "a step's K/V rows into the pool's fp16 rows");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
