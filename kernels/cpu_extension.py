@@ -14,7 +14,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvplan.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp", "cpu_prefill.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 _LOCK = threading.Lock()
 _MODULE: list = []          # [module] once built, [None] once it could not be
