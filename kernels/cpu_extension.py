@@ -1,6 +1,8 @@
 """The CPU kernels' C++ (`kernels/cpu_decode.cpp`: decode attention; `kernels/cpu_decoder_ops.cpp`:
-the decoder's per-row ops; `kernels/cpu_prefill.cpp`: paged prefill attention; `kernels/cpu_vec.h`:
-their fp32/bf16/fp16 loads and stores), compiled once per machine with torch's
+the decoder's per-row ops; `kernels/cpu_prefill.cpp`: paged prefill attention;
+`kernels/cpu_quant_attention.cpp`: attention over quantized copies made on the fly, for the
+statistics; `kernels/cpu_flash.h`: their flash-attention core; `kernels/cpu_vec.h`: fp32/bf16/fp16
+loads and stores), compiled once per machine with torch's
 cpp_extension and cached in TORCH_EXTENSIONS_DIR (the first time takes a compiler's minute;
 a changed source rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
 first decode waits for a compiler. Where no compiler is, `module()` is None and the launchers
@@ -14,8 +16,9 @@ from pathlib import Path
 
 log = logging.getLogger("kvplan.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp", "cpu_prefill.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp", "cpu_prefill.cpp",
+                                                   "cpu_quant_attention.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("cpu_vec.h", "cpu_flash.h")]
 _LOCK = threading.Lock()
 _MODULE: list = []          # [module] once built, [None] once it could not be
 

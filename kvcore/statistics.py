@@ -19,7 +19,8 @@ of its own; the executor's prefill computes the same from its cache at the conte
 
 Cost (it runs inside the executor's prefill, at the context's last chunk): the window's attention
 is computed once, grouped by KV head (no repeated K), and the loss queries' probabilities are its
-last rows; each bit width's K and V go through quantization once (C++, one pass each)."""
+last rows; each bit width's quantized K and V are made group by group inside one attention pass
+(`kernels.quant_attention`: C++ on the CPU), never stored."""
 from __future__ import annotations
 
 import math
@@ -30,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcore import scoring
-from kvcore.blocks import quant_shape
 
 K_SIMILAR, V_SIMILAR = 0.9, 0.6     # the cosine thresholds of SpindleKV's observation plots
 FRACTIONS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.0)   # context share kept per KV head
@@ -150,38 +150,8 @@ def _nested_outputs(p: torch.Tensor, v: torch.Tensor, base: torch.Tensor, order:
     return [sums[c][0] / sums[c][1].clamp_min(1e-30) for c in counts]
 
 
-def _grouped_output(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, causal: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
-    """q [H, Wq, D] over k_t [H_kv, D, T], v [H_kv, T, D] -> [H_kv, g·Wq, D], grouped as `_grouped_probs`."""
-    return torch.bmm(_grouped_probs(q, k_t, causal, scaling), v)
-
-
 def _rel(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return (out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30)                   # 0-d
-
-
-def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
-    """k, v [H_kv, T, D] -> bits -> (k_t [H_kv, D, T] keys transposed, v [H_kv, T, D]), both through
-    KIVI quantization at `bits` in the pool's groups (`quant_shape(bits)` = (g_b, value group)): K
-    per channel over groups of g_b rows, V per row over groups of gcd(value group, D) channels; the
-    last T mod g_b rows stay exact, as the pool's dense tail does. Keys stay in the channel-major
-    layout they are grouped in (what q·kᵀ reads)."""
-    from kernels.quant import dequantized_at, dequantized_forms, group_ranges, quantize_pack_cpu_handles
-    hk, t, d = k.shape
-    k_t = k.transpose(1, 2)                                                                  # [H_kv, D, T] view
-    cpp = k.dtype == v.dtype == torch.float32 and quantize_pack_cpu_handles(k)
-
-    def at(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, value_group = quant_shape(bits)
-        g, q_t = math.gcd(value_group, d), t - t % rows
-        if not q_t:
-            return k_t, v
-        if cpp:                                                   # C++: one pass over K, one over V
-            return dequantized_forms(k_t, [bits], rows, q_t, d)[0], dequantized_forms(v, [bits], g, d, q_t)[0]
-        kq = dequantized_at(*group_ranges(k_t[:, :, :q_t].reshape(hk * d, q_t), rows), bits).view(hk, d, q_t)
-        vq = dequantized_at(*group_ranges(v[:, :q_t].reshape(-1, d), g), bits).view(hk, q_t, d)
-        return torch.cat([kq, k_t[:, :, q_t:]], 2), torch.cat([vq, v[:, q_t:]], 1)
-    return at
 
 
 def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_mass: torch.Tensor,
@@ -211,8 +181,10 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
              for c, out in zip(counts, _nested_outputs(p, v, base, order, counts))]
     held = torch.cat([mass[:, base].sum(-1, keepdim=True), mass.gather(1, order)], dim=1).cumsum(-1)  # [H_kv, 1 + n_ctx]
     retained = torch.stack([held[:, c] for c in counts], 1).mean(0)                         # [F] (no index tensor to copy)
-    forms = _quantized_forms(k, v)
-    quant = [zero if b == 16 else _rel(_grouped_output(q_win, *forms(b), causal, scaling), exact) for b in BITS]
+    from kernels.quant_attention import groups, quant_attention
+    widths = [b for b in BITS if b != 16 and t >= groups(b, k.shape[2])[0]]     # shorter than a group: all dense
+    outs = quant_attention(q_win.reshape(hk, -1, q_win.shape[2]), k, v, widths, wq, scaling) if widths else None
+    quant = [_rel(outs[widths.index(b)], exact) if b in widths else zero for b in BITS]      # [B, H_kv, g Wq, D]
     return torch.stack(evict), retained, torch.stack(quant)
 
 

@@ -91,23 +91,6 @@ def test_the_window_probabilities_are_the_window_scores_and_the_loss_queries_row
                                    S._grouped_probs(q[:, -e:], k.transpose(1, 2), causal, 0.125), rtol=1e-5, atol=1e-6)
 
 
-def test_the_quant_losses_follow_the_pools_groups():
-    """At 100 rows a 2-bit group (96 rows) quantizes rows 0..95, the 4-bit groups 0..95 too, the
-    8-bit ones 0..95 as well (24 divides 96): the C++ forms and the torch forms alike, per layout."""
-    gen = torch.Generator().manual_seed(4)
-    k, v = torch.randn(3, 100, 64, generator=gen), torch.randn(3, 100, 64, generator=gen)
-    forms = S._quantized_forms(k, v)
-    for bits in (8, 4, 2):
-        rows, value_group = quant_shape(bits)
-        kt, vq = forms(bits)
-        q_t = 100 - 100 % rows
-        assert torch.equal(kt[:, :, q_t:], k.transpose(1, 2)[:, :, q_t:]) and torch.equal(vq[:, q_t:], v[:, q_t:])
-        want_k = unpack_dequantize(*quantize_pack(k[:, :q_t].transpose(1, 2).reshape(-1, q_t), bits, rows), bits, rows)
-        torch.testing.assert_close(kt[:, :, :q_t].reshape(-1, q_t), want_k, rtol=1e-6, atol=1e-6)
-        want_v = unpack_dequantize(*quantize_pack(v[:, :q_t].reshape(-1, 64), bits, value_group), bits, value_group)
-        torch.testing.assert_close(vq[:, :q_t].reshape(-1, 64), want_v, rtol=1e-6, atol=1e-6)
-
-
 def test_angle_is_the_mean_arccos_of_the_rows_cosines():
     torch.manual_seed(1)
     a, b = torch.randn(3, 50, 64), torch.randn(3, 50, 64)
