@@ -3,7 +3,8 @@
 // the statistics' quant losses measure (kvcore/statistics.py). Each width's quantized copy is made
 // on the fly, one group of rows at a time, and attended flash-style (kernels/cpu_flash.h) — never
 // stored: the statistics run inside the executor's prefill, and writing a dequantized K and V per
-// width per layer was most of their cost.
+// width per layer was most of their cost. K is read transposed (made once per call), so a channel's
+// group of rows is one contiguous span, as a V row's channel group is.
 //
 // Quantization as the pool's (kernels.quant: min/max levels, no refits): K per channel over groups
 // of `rows` rows, V per row over groups of `vgroup` channels; scale (max - min) / (2^b - 1) and
@@ -37,10 +38,6 @@ inline float requant(float x, float s, float z, float levels) {
 }
 
 #ifdef KVPLAN_AVX512
-inline __m512 fp16_round16(__m512 x) {
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
 inline __m512 requant16(__m512 x, __m512 s, __m512 z, __m512 levels) {
   const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), s);
   __m512 c = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(_mm512_sub_ps(x, z), safe), _mm512_set1_ps(0.5f)),
@@ -50,67 +47,42 @@ inline __m512 requant16(__m512 x, __m512 s, __m512 z, __m512 levels) {
 }
 #endif
 
-// K rows [n, D] (contiguous) quantized per channel over the n rows -> out [n, D]
-void quant_k(const float* k, int64_t n, int64_t D, float levels, float* out) {
-  int64_t c = 0;
+// n contiguous values quantized as one group (K: one channel over a group's rows, read from K
+// transposed; V: one row's channel group) -> out [n]
+inline void quant_span(const float* x, int64_t n, float levels, float* out) {
 #ifdef KVPLAN_AVX512
+  __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    mn = _mm512_mask_min_ps(mn, m, mn, v);
+    mx = _mm512_mask_max_ps(mx, m, mx, v);
+  }
+  const float lo = _mm512_reduce_min_ps(mn), hi = _mm512_reduce_max_ps(mx);
+  const __m512 s = _mm512_set1_ps(fp16_round((hi - lo) / levels)), z = _mm512_set1_ps(fp16_round(lo));
   const __m512 lv = _mm512_set1_ps(levels);
-  for (; c + 16 <= D; c += 16) {
-    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t r = 0; r < n; ++r) {
-      const __m512 x = _mm512_loadu_ps(k + r * D + c);
-      mn = _mm512_min_ps(mn, x);
-      mx = _mm512_max_ps(mx, x);
-    }
-    const __m512 s = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), z = fp16_round16(mn);
-    for (int64_t r = 0; r < n; ++r) _mm512_storeu_ps(out + r * D + c, requant16(_mm512_loadu_ps(k + r * D + c), s, z, lv));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(out + i, m, requant16(_mm512_maskz_loadu_ps(m, x + i), s, z, lv));
   }
+#else
+  float lo = INFINITY, hi = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  const float s = fp16_round((hi - lo) / levels), z = fp16_round(lo);
+  for (int64_t i = 0; i < n; ++i) out[i] = requant(x[i], s, z, levels);
 #endif
-  for (; c < D; ++c) {
-    float mn = INFINITY, mx = -INFINITY;
-    for (int64_t r = 0; r < n; ++r) {
-      mn = std::min(mn, k[r * D + c]);
-      mx = std::max(mx, k[r * D + c]);
-    }
-    const float s = fp16_round((mx - mn) / levels), z = fp16_round(mn);
-    for (int64_t r = 0; r < n; ++r) out[r * D + c] = requant(k[r * D + c], s, z, levels);
-  }
-}
-
-// one V row [D] quantized over groups of gv channels -> out [D]
-inline void quant_v_row(const float* v, int64_t D, int64_t gv, float levels, float* out) {
-  for (int64_t c0 = 0; c0 < D; c0 += gv) {
-#ifdef KVPLAN_AVX512
-    if (gv % 16 == 0) {
-      __m512 mn = _mm512_loadu_ps(v + c0), mx = mn;
-      for (int64_t c = c0 + 16; c < c0 + gv; c += 16) {
-        mn = _mm512_min_ps(mn, _mm512_loadu_ps(v + c));
-        mx = _mm512_max_ps(mx, _mm512_loadu_ps(v + c));
-      }
-      const float lo = _mm512_reduce_min_ps(mn), hi = _mm512_reduce_max_ps(mx);
-      const __m512 s = _mm512_set1_ps(fp16_round((hi - lo) / levels)), z = _mm512_set1_ps(fp16_round(lo));
-      for (int64_t c = c0; c < c0 + gv; c += 16)
-        _mm512_storeu_ps(out + c, requant16(_mm512_loadu_ps(v + c), s, z, _mm512_set1_ps(levels)));
-      continue;
-    }
-#endif
-    float lo = INFINITY, hi = -INFINITY;
-    for (int64_t c = c0; c < c0 + gv; ++c) {
-      lo = std::min(lo, v[c]);
-      hi = std::max(hi, v[c]);
-    }
-    const float s = fp16_round((hi - lo) / levels), z = fp16_round(lo);
-    for (int64_t c = c0; c < c0 + gv; ++c) out[c] = requant(v[c], s, z, levels);
-  }
 }
 
 struct Scratch {
-  std::vector<float> kq, vq, kt, vb, q, p, acc, m, l;
+  std::vector<float> kq, vq, kt, vb, q, p, acc, m, l;     // kq: a group's K copy transposed [D, rows]
   Scratch(int64_t rows, int64_t Qn, int64_t D, int64_t Dp)
       : kq(rows * D), vq(rows * D), kt(D * KB), vb(KB * Dp), q(Qn * Dp), p(Qn * KB), acc(Qn * Dp), m(Qn), l(Qn) {}
 };
 
-// one (KV head, width) task: q [Qn, D], k, v [T, D] -> out [Qn, D]
+// one (KV head, width) task: q [Qn, D], kt [D, T] (K transposed), v [T, D] -> out [Qn, D]
 void run_task(const float* q, const float* k, const float* v, float* out, int64_t Qn, int64_t T, int64_t D, int64_t wq,
               int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
   const int64_t Dp = (D + 15) / 16 * 16, qt = T - T % rows;
@@ -126,21 +98,24 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
   for (int64_t r0 = 0; r0 < T;) {
     const bool quantized = r0 < qt;
     const int64_t n = quantized ? rows : T - r0;
-    const float *kr = k + r0 * D, *vr = v + r0 * D;
+    const float *kr = k + r0, *vr = v + r0 * D;                 // kr: channel c's rows at kr + c * ks
+    int64_t ks = T;
     if (quantized) {
-      quant_k(kr, n, D, levels, sc.kq.data());
-      for (int64_t r = 0; r < n; ++r) quant_v_row(vr + r * D, D, gv, levels, sc.vq.data() + r * D);
+      for (int64_t c = 0; c < D; ++c) quant_span(k + c * T + r0, n, levels, sc.kq.data() + c * rows);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < D; c += gv) quant_span(vr + r * D + c, gv, levels, sc.vq.data() + r * D + c);
       kr = sc.kq.data();
+      ks = rows;
       vr = sc.vq.data();
     }
     for (int64_t c0 = 0; c0 < n; c0 += KB) {                    // blocks of KB rows through the flash core
       const int64_t nk = std::min(KB, n - c0), k0 = r0 + c0;
-      if (nk < KB) std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
-      std::fill(sc.vb.begin(), sc.vb.end(), 0.f);
-      for (int64_t r = 0; r < nk; ++r) {
-        for (int64_t d = 0; d < D; ++d) sc.kt[d * KB + r] = kr[(c0 + r) * D + d];
-        std::copy(vr + (c0 + r) * D, vr + (c0 + r + 1) * D, sc.vb.begin() + r * Dp);
+      for (int64_t d = 0; d < D; ++d) {
+        std::copy(kr + d * ks + c0, kr + d * ks + c0 + nk, sc.kt.begin() + d * KB);
+        std::fill(sc.kt.begin() + d * KB + nk, sc.kt.begin() + (d + 1) * KB, 0.f);
       }
+      std::fill(sc.vb.begin(), sc.vb.end(), 0.f);
+      for (int64_t r = 0; r < nk; ++r) std::copy(vr + (c0 + r) * D, vr + (c0 + r + 1) * D, sc.vb.begin() + r * Dp);
       int64_t i = 0;
       for (; i + 4 <= Qn; i += 4) flash::scores<4>(sc.q.data() + i * Dp, Dp, sc.kt.data(), D, sc.p.data() + i * KB);
       for (; i < Qn; ++i) flash::scores<1>(sc.q.data() + i * Dp, Dp, sc.kt.data(), D, sc.p.data() + i * KB);
@@ -181,14 +156,15 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     TORCH_CHECK(bits[b] >= 1 && bits[b] <= 8 && rows[b] >= 1 && vgroups[b] >= 1 && D % vgroups[b] == 0,
                 "width ", b, ": bits in 1..8, rows >= 1, vgroups dividing D");
   auto out = torch::empty({B, G, Qn, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  auto kt = k.transpose(1, 2).contiguous();                     // [G, D, T]: a channel's rows contiguous, once for every width
+  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t most = *std::max_element(rows.begin(), rows.end());
   at::parallel_for(0, G * B, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(std::max(most, KB), Qn, D, (D + 15) / 16 * 16);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t % G, b = t / G;
-      run_task(qp + g * Qn * D, kp + g * T * D, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq, bits[b], rows[b],
+      run_task(qp + g * Qn * D, kp + g * D * T, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq, bits[b], rows[b],
                vgroups[b], (float)scaling, sc);
     }
   });
