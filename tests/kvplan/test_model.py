@@ -40,16 +40,16 @@ def test_a_bf16_load_is_bf16_packed_and_stores_fp16_kv(bf16_model):
     assert runner.engine.runner.layout.itemsize == 2                    # fp16 rows in the pool whatever computes
 
 
-@pytest.mark.parametrize("strategy, ratio", [("full", 1.0), ("auto", 0.5)])
-def test_bf16_answers_the_facts(bf16_model, strategy, ratio):
+@pytest.mark.parametrize("strategy, ratio, questions", [("full", 1.0, 3), ("auto", 0.5, 1)])
+def test_bf16_answers_the_facts(bf16_model, strategy, ratio, questions):
     lm = bf16_model
     runner = Runner(lm, torch.float16)
     shape = ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
     prober = Prober(lm=lm)
-    for question, answer in ASK.items():
+    for question, answer in list(ASK.items())[:questions]:
         p = prompts.build(lm.tokenizer, [{"role": "user", "content": FACTS * 4 + "\n\n" + question}], "")
         ids = list(p.context_ids)
-        plan = STRATEGIES[strategy].plan(PlanInput("t", strategy, len(ids), shape, reserve_ratio=ratio, new_tokens=24,
+        plan = STRATEGIES[strategy].plan(PlanInput("t", strategy, len(ids), shape, reserve_ratio=ratio, new_tokens=16,
                                                    probe=lambda ids=ids, **kw: prober.probe(ids, **kw)), "t")
-        res = runner.run(p, plan, Sampling(24), budget=ratio)
+        res = runner.run(p, plan, Sampling(16), budget=ratio)
         assert answer in res.text, (strategy, question, res.text)
