@@ -29,6 +29,7 @@ from executor.presses.registry import PRESSES
 from executor.presses import codebook as codebook_press
 from executor.prompt import Prompt
 from kvplan.config import PlannerConfig, from_env
+from kvplan.host import host
 from planner.strategies import STRATEGIES
 
 RESULTS = Path(__file__).parent / "results"
@@ -213,7 +214,7 @@ def statistics_overhead(h: Harness, ids: list[int], repeats: int, ratio: float =
 
 def statistics_overhead_table(rows: list[dict]) -> str:
     lines = ["| context | prefill s | with statistics s | gathering s (timed inside) | planning s | "
-             "(gathering + planning) / prefill (target <= 10%) | (with - without + planning) / prefill |",
+             "(gathering + planning) / prefill (target <= 5%) | (with - without + planning) / prefill |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['context_tokens']} | {r['prefill_s']:.2f} | {r['prefill_with_statistics_s']:.2f} | "
@@ -271,10 +272,14 @@ def main(argv=None) -> None:
     except C.HaystackMissing:
         text, source = C.python_docs(), "python docs"
     ids = h.tokenizer(text, add_special_tokens=False)["input_ids"]
+    machine = dict(host=host().as_dict(), compute_dtype=str(h.lm.model.dtype).removeprefix("torch."),
+                   threads=torch.get_num_threads())
+    caption = f"Host: {host().describe()}; compute {machine['compute_dtype']}, {machine['threads']} threads\n"
     if args.overhead_only:
         rows = [statistics_overhead(h, ids[:n], args.repeats) for n in args.lengths]
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "statistics_overhead.json").write_text(json.dumps(dict(bench="speed", rows=rows), indent=1))
+        (out_dir / "statistics_overhead.json").write_text(json.dumps(dict(bench="speed", **machine, rows=rows), indent=1))
+        print(caption)
         print(statistics_overhead_table(rows))
         return
     h.runner.prefetch_wait_s = args.prefetch_wait
@@ -299,11 +304,12 @@ def main(argv=None) -> None:
         stats_rows.append(statistics_overhead(h, ids[:n], args.repeats))
     stack.close()
 
-    out = dict(bench="speed", quick=args.quick, machine=platform.machine(), torch=torch.__version__,
-               threads=torch.get_num_threads(), text=source, requested_ratio=args.ratio,
+    out = dict(bench="speed", quick=args.quick, machine=platform.machine(), torch=torch.__version__, **machine,
+               text=source, requested_ratio=args.ratio,
                new_tokens=args.new_tokens, rows=rows, planner_overhead=overhead, statistics_overhead=stats_rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "speed.json").write_text(json.dumps(out, indent=1))
+    print(caption)
     print(f"reserve ratio requested {args.ratio:g}, {args.new_tokens} decode tokens, "
           f"{torch.get_num_threads()} threads, {source}\n")
     print(table(rows))
@@ -322,9 +328,12 @@ def step_scaling(args) -> None:
     rows = [steps.measure(lm, n, args.reps) for n in args.seqs]
     out_dir = args.out or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = str(lm.model.dtype).removeprefix("torch.")
     (out_dir / "steps.json").write_text(json.dumps(dict(bench="steps", machine=platform.machine(), torch=torch.__version__,
+                                                        host=host().as_dict(), compute_dtype=dtype,
                                                         threads=torch.get_num_threads(), rows=rows,
                                                         when=time.strftime("%Y-%m-%d %H:%M")), indent=1))
+    print(f"Host: {host().describe()}; compute {dtype}, {torch.get_num_threads()} threads\n")
     print(steps.table(rows) + f"\n\n{out_dir / 'steps.json'}")
 
 

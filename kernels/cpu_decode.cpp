@@ -936,13 +936,20 @@ torch::Tensor add_rms_norm(torch::Tensor residual, torch::Tensor delta, torch::T
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void write_kv(torch::Tensor rows, torch::Tensor at, torch::Tensor k, torch::Tensor v, int64_t R);
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor arena, torch::Tensor table, torch::Tensor kv_len,
+                            torch::Tensor q_start, int64_t page_rows, double scaling);   // cpu_prefill.cpp
+torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> bits,
+                              std::vector<int64_t> rows, std::vector<int64_t> vgroups, int64_t wq,
+                              double scaling);                                             // cpu_quant_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta in place, then RMSNorm of it");
-  m.def("rope_", &rope_, "RoPE on fp32 rows in place");
+  m.def("rope_", &rope_, "RoPE on fp32 or bf16 rows in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "a step's K/V rows into the pool's fp16 rows");
+  m.def("paged_prefill", &paged_prefill, "causal prefill attention of packed segments over the pool's pages");
+  m.def("quant_attention", &quant_attention, "last queries' attention over K/V quantized on the fly, per width");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
   m.def("paged_decode_mixed", &paged_decode_mixed,

@@ -1,5 +1,8 @@
-"""The CPU kernels' C++ (`kernels/cpu_decode.cpp`: attention; `kernels/cpu_decoder_ops.cpp`: the
-decoder's per-row ops), compiled once per machine with torch's
+"""The CPU kernels' C++ (`kernels/cpu_decode.cpp`: decode attention; `kernels/cpu_decoder_ops.cpp`:
+the decoder's per-row ops; `kernels/cpu_prefill.cpp`: paged prefill attention;
+`kernels/cpu_quant_attention.cpp`: attention over quantized copies made on the fly, for the
+statistics; `kernels/cpu_flash.h`: their flash-attention core; `kernels/cpu_vec.h`: fp32/bf16/fp16
+loads and stores), compiled once per machine with torch's
 cpp_extension and cached in TORCH_EXTENSIONS_DIR (the first time takes a compiler's minute;
 a changed source rebuilds). `kvplan prepare-model` (so `make setup`) and the engine's start build it, so no job's
 first decode waits for a compiler. Where no compiler is, `module()` is None and the launchers
@@ -7,13 +10,16 @@ first decode waits for a compiler. Where no compiler is, `module()` is None and 
 their torch references."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from pathlib import Path
 
 log = logging.getLogger("kvplan.kernels")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp", "cpu_prefill.cpp",
+                                                   "cpu_quant_attention.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("cpu_vec.h", "cpu_flash.h")]
 _LOCK = threading.Lock()
 _MODULE: list = []          # [module] once built, [None] once it could not be
 
@@ -27,12 +33,19 @@ def module():
                     from torch.utils.cpp_extension import load
                     log.info("loading the CPU decode kernels (the first run compiles them)")
                     _MODULE.append(load("kvplan_cpu_decode", sources=[str(x) for x in SOURCES],
-                                        extra_cflags=["-O3", "-march=native", "-fopenmp"],   # at::parallel_for is
-                                        extra_ldflags=["-fopenmp"], verbose=False))           # OpenMP: torch's libgomp
+                                        extra_cflags=["-O3", "-march=native", "-fopenmp",      # at::parallel_for is
+                                                      f"-DKVPLAN_HEADERS={headers_hash()}"],  # OpenMP: torch's libgomp
+                                        extra_ldflags=["-fopenmp"], verbose=False))
                 except Exception as e:              # noqa: BLE001  (no compiler, no headers: the references)
                     log.warning("CPU decode kernels not built (%s): decode attention uses the torch references", e)
                     _MODULE.append(None)
     return _MODULE[0]
+
+
+def headers_hash() -> str:
+    """The headers' contents, hashed into the build flags: torch rebuilds an extension when its
+    sources or flags change, not its headers."""
+    return hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
 
 
 def build() -> bool:

@@ -1,7 +1,7 @@
 """A step's new K/V rows into the engine's pool: one layer's rows of every sequence, each to the
 arena row its block table names (K there, V `R` rows after it), in the storage dtype.
 
-    kernel      C++ on the CPU for fp32 rows into fp16 storage (`write_kv` in
+    kernel      C++ on the CPU for fp32 or bf16 rows into fp16 storage (`write_kv` in
                 `kernels/cpu_decoder_ops.cpp`: convert and scatter in one pass)
     launcher    `write_kv`: the kernel where it applies, else the reference
     reference   `write_kv_reference`: two `index_copy_` of the converted rows
@@ -23,8 +23,9 @@ def write_kv_reference(rows: torch.Tensor, at: torch.Tensor, k: torch.Tensor, v:
 
 
 def write_kv(rows: torch.Tensor, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int) -> None:
-    if (ENABLED and not rows.is_cuda and rows.dtype == torch.float16 and k.dtype == torch.float32
-            and v.dtype == torch.float32 and cpu_extension.module() is not None):
+    """rows [n, D] fp16 (the arena's rows); at [M] int64; k, v [M, D] fp32 or bf16 (the compute dtype)."""
+    if (ENABLED and not rows.is_cuda and rows.dtype == torch.float16 and k.dtype in (torch.float32, torch.bfloat16)
+            and v.dtype == k.dtype and cpu_extension.module() is not None):
         cpu_extension.module().write_kv(rows, at.contiguous(), k.contiguous(), v.contiguous(), r)
         return
     write_kv_reference(rows, at, k, v, r)

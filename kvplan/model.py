@@ -126,16 +126,16 @@ def load(cfg: ModelConfig) -> LoadedModel:
     if cfg.hold_freed_memory:
         allocator.hold_freed_memory()
     path = prepare(cfg)
-    dtype = getattr(torch, cfg.compute_dtype)
+    dtype = getattr(torch, cfg.dtype)            # KVPLAN_COMPUTE_DTYPE, `auto` resolved for this host
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"KVPLAN_DEVICE={cfg.device}, but torch sees no CUDA device")
-    log.info("loading %s (%s on %s)", path.name, cfg.compute_dtype, cfg.device)
+    log.info("loading %s (%s on %s)", path.name, cfg.dtype, cfg.device)
     with _LOADING:        # transformers patches global init functions while it loads: one load at a time
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
         model.to(cfg.device)
         tok = AutoTokenizer.from_pretrained(path)
     if cfg.packed_linear:
-        packed_linear.pack(model)             # CPU fp32 only; elsewhere a no-op
+        packed_linear.pack(model)             # CPU fp32 or bf16 only; elsewhere a no-op
     c = model.config
     heads = c.num_attention_heads
     return LoadedModel(

@@ -1,4 +1,4 @@
-"""The model's linear layers through oneDNN with their weights packed once (CPU, fp32).
+"""The model's linear layers through oneDNN with their weights packed once (CPU, fp32 or bf16).
 
 At decode the projections, MLP and LM head see a few rows (one per running sequence) against
 every weight: the step reads every weight for a handful of rows, so how fast weights are read
@@ -9,7 +9,12 @@ them faster than torch's default CPU path (MKL sgemm) for such few rows (docs/be
 
 `pack(model)` swaps every `nn.Linear` of the decoder layers for a `PackedLinear` that holds only
 the packed weight (the float one freed: no second copy); the LM head keeps its weight (tied to
-the embeddings) beside a packed copy. Results differ from MKL's in rounding only (~1e-4)."""
+the embeddings) beside a packed copy. Results differ from MKL's in rounding only (~1e-4 in fp32).
+
+In bf16 (the compute dtype on hosts with AVX512-BF16 or AMX, `kvplan.host`) oneDNN runs its
+brgemm bf16 kernels (`brg_matmul:avx512_core_bf16`, or `avx512_core_amx` on AMX: bf16 products,
+fp32 accumulation, bf16 out), reading half the weight bytes of fp32; `ONEDNN_VERBOSE=1` names the
+kernel each call takes (tests/kvplan/test_packed_linear.py checks it)."""
 from __future__ import annotations
 
 import torch
@@ -22,14 +27,17 @@ def available() -> bool:
 
 
 class PackedLinear(torch.nn.Module):
-    """y = x·Wᵀ + b for x [..., in_features] fp32 on the CPU, W packed by oneDNN."""
+    """y = x·Wᵀ + b for x [..., in_features] on the CPU in W's dtype (fp32 or bf16), W packed by oneDNN."""
 
     def __init__(self, linear: torch.nn.Linear, keep_weight: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)          # [out, in], oneDNN's layout
-        self.bias = linear.bias
+        bias = linear.bias
+        # no autograd: with a bias that asks for gradients oneDNN plans a training pass, and in bf16
+        # that is its reference (scalar) kernel
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         if keep_weight:
             self.weight = linear.weight            # tied to another module (the embeddings): held anyway
 
@@ -40,11 +48,14 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+DTYPES = (torch.float32, torch.bfloat16)      # what oneDNN packs here (fp16 linears have no fast CPU kernel)
+
+
 def pack(model: torch.nn.Module) -> int:
-    """Swap the linears of a CPU fp32 causal LM in place -> how many were packed (0: left as
-    they were, where oneDNN is missing or the model is not CPU fp32)."""
+    """Swap the linears of a CPU fp32 or bf16 causal LM in place -> how many were packed (0: left
+    as they were, where oneDNN is missing or the model is not on the CPU in one of DTYPES)."""
     head = model.get_output_embeddings()
-    if not available() or head is None or head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+    if not available() or head is None or head.weight.device.type != "cpu" or head.weight.dtype not in DTYPES:
         return 0
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()

@@ -16,6 +16,11 @@ os.environ.setdefault("KVPLAN_AUTH", "off")
 # A test that wants a cluster's state dir sets KVPLAN_STATE_DIR itself.
 import tempfile  # noqa: E402
 os.environ["KVPLAN_STATE_DIR"] = tempfile.mkdtemp(prefix="kvplan-test-state-")
+# The suite's tolerances and exact replays (greedy tokens against transformers' own, byte counts) are
+# fp32's: the model computes in fp32, in process and in the services tests start, unless the runner
+# names a dtype (KVPLAN_COMPUTE_DTYPE=bfloat16 runs the suite in bf16). Production's default is `auto`
+# (bf16 on CPUs with AVX512-BF16 or AMX: kvplan.host); tests/kvplan/test_model.py runs bf16 itself.
+os.environ.setdefault("KVPLAN_COMPUTE_DTYPE", "float32")
 
 from cachestore.process import free_port
 from kvplan.members import wait_redis

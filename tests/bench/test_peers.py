@@ -33,3 +33,55 @@ def test_one_table_with_ratios_against_the_named_peer(tmp_path, capsys):
 def test_a_peer_without_its_scripts_is_refused_plainly(tmp_path):
     with pytest.raises(SystemExit, match="is not here: give --peers-dir"):
         peers.main(["run", "vllm", "--peers-dir", str(tmp_path)])
+
+
+FAKE_VLLM = '''
+import argparse, json, sys
+from pathlib import Path
+ap = argparse.ArgumentParser()
+for a in ("--checkout", "--project-python", "--dtype", "--kv-cache-dtype", "--out", "--tag", "--requests"):
+    ap.add_argument(a)
+a = ap.parse_args()
+if a.kv_cache_dtype == "fp8" and a.dtype == "float32":
+    sys.exit("fp8 KV refused")                                   # this configuration does not start
+tps = {"bfloat16": 60.0, "float32": 45.0}[a.dtype] * (2 if a.kv_cache_dtype == "fp8" else 1)
+Path(a.out, f"vllm_peer-{a.tag}.json").write_text(json.dumps(dict(
+    vllm="0.32.0", dtype=a.dtype, kv_dtype=a.kv_cache_dtype, most_decoding_steps=4, ttft=[10.0, 11.0, 12.0],
+    correct=3, requests=int(a.requests), done=int(a.requests), decode_tps=tps * 2, output_tps=tps)))
+'''
+
+
+def test_best_vllm_keeps_the_fastest_configuration_that_starts(tmp_path, monkeypatch, capsys):
+    peers_dir = tmp_path / "peers"
+    (peers_dir / "vllm").mkdir(parents=True)
+    (peers_dir / "vllm" / "run_vllm_peer.py").write_text(FAKE_VLLM)
+    monkeypatch.setitem(peers.SCRIPTS, "vllm", ("vllm/run_vllm_peer.py", peers.Path(peers.sys.executable)))
+    out = tmp_path / "results"
+    with pytest.raises(SystemExit) as done:
+        peers.main(["best", "vllm", "--peers-dir", str(peers_dir), "--dtypes", "float32", "bfloat16",
+                    "--out", str(out), "--requests", "3"])
+    assert done.value.code == 0
+    best = json.loads((out / "best_vllm.json").read_text())
+    tried = [(c["dtype"], c["kv"], c["started"]) for c in best["candidates"]]
+    assert tried == [("float32", "fp8", False), ("float32", "auto", True), ("bfloat16", "fp8", True)]
+    assert (best["best"]["dtype"], best["best"]["kv"], best["best"]["output_tps"]) == ("bfloat16", "fp8", 120.0)
+    assert best["host"]["cpu"] and "native_bf16" in best["host"] and best["host_line"]
+    assert "bfloat16 fp8: 120.00 out tok/s  <- best" in capsys.readouterr().out
+    peers.main(["table", "--vllm", str(out / "best_vllm.json")])
+    text = capsys.readouterr().out
+    assert text.startswith(f"Host: {best['host_line']}")
+    assert "| vLLM 0.32.0 bf16 **(best)** | fp8 | 4 | 240.0 | 1.00× | 120.00 | 1.00× |" in text
+    assert "| vLLM 0.32.0 fp32 | fp32 | 4 | 90.0 | 0.38× | 45.00 | 0.38× |" in text
+    assert text.rstrip().endswith("× against vLLM best")
+
+
+def test_best_fails_plainly_when_nothing_starts(tmp_path, monkeypatch):
+    peers_dir = tmp_path / "peers"
+    (peers_dir / "vllm").mkdir(parents=True)
+    (peers_dir / "vllm" / "run_vllm_peer.py").write_text("import sys; sys.exit(3)")
+    monkeypatch.setitem(peers.SCRIPTS, "vllm", ("vllm/run_vllm_peer.py", peers.Path(peers.sys.executable)))
+    with pytest.raises(SystemExit) as done:
+        peers.main(["best", "vllm", "--peers-dir", str(peers_dir), "--out", str(tmp_path / "r")])
+    assert done.value.code == 1
+    best = json.loads((tmp_path / "r" / "best_vllm.json").read_text())
+    assert best["best"] is None and len(best["candidates"]) == 4 and not any(c["started"] for c in best["candidates"])

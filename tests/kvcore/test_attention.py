@@ -54,3 +54,20 @@ def test_a_sliding_window_shorter_than_the_keys_is_refused():
     with pytest.raises(NotImplementedError, match="sliding-window"):
         attention.dispatch(types.SimpleNamespace(layer_idx=1), q, k, v, None, scaling=0.3, sliding_window=4)
     attention.dispatch(types.SimpleNamespace(layer_idx=1), q, k, v, None, scaling=0.3, sliding_window=6)
+
+
+@pytest.mark.parametrize("tq, t", [(1, 70), (33, 33), (17, 90)])
+def test_bf16_causal_attention_is_torchs_flash_kernel_and_the_fp32_math(tq, t):
+    """In bf16 (the compute dtype on AVX512-BF16 hosts) every shape the engine sends — a decode row,
+    a whole prompt, a chunk after stored rows — takes torch's CPU flash kernel, not the math path's
+    [Tq, T] matrices, and stays within bf16 rounding of the fp32 result."""
+    from torch.profiler import profile
+    gen = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(1, h, n, 64, generator=gen) for h, n in ((9, tq), (3, t), (3, t)))
+    with profile() as prof:
+        got = attention.causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names, names
+    assert got.dtype == torch.bfloat16 and got.shape == (1, tq, 9, 64)
+    want = attention.causal_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), 0.125)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -1,8 +1,9 @@
 """The storage-form losses against the attention they stand for, computed the plain way: for
 each eviction share, SDPA over exactly the tokens kept (sinks, window, the best-ranked share of
 the rest per KV head, GQA heads sharing their KV head's set); for each bit width, SDPA over K/V
-quantized and dequantized by the quant layer's own kernels; the retained mass summed over the
-kept tokens."""
+quantized and dequantized by the quant layer's own kernels in the pool's groups (one page a group:
+`kvcore.blocks.quant_shape`, 24/48/96 rows at 8/4/2 bits, the rest of the rows exact); the retained
+mass summed over the kept tokens."""
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from kernels import quantize_pack, unpack_dequantize
 from kvcore import scoring
 from kvcore import statistics as S
+from kvcore.blocks import quant_shape
 
 
 def _plain(q, k, v, mass_h, scaling, window):
@@ -41,16 +43,18 @@ def _plain(q, k, v, mass_h, scaling, window):
         kept.scatter_(1, order[:, :round(f * n_ctx)], True)
         evict.append(rel(out(k, v, kept.repeat_interleave(h // hk, 0)[:, None] & causal[None]), exact))
         retained.append(float((mass * kept).sum(-1).mean()))
-    quant, q_t, g = [], t - t % S.QUANT_GROUP, math.gcd(S.QUANT_GROUP, d)
+    quant = []
     for bits in S.BITS:
         if bits == 16:
             quant.append(0.0)
             continue
+        rows, value_group = quant_shape(bits)
+        q_t, g = t - t % rows, math.gcd(value_group, d)
         kq, vq = k.clone(), v.clone()
-        kt = k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t)
-        kq[:, :q_t] = unpack_dequantize(*quantize_pack(kt, bits, S.QUANT_GROUP), bits, S.QUANT_GROUP) \
-            .view(hk, d, q_t).transpose(1, 2)
-        vq[:, :q_t] = unpack_dequantize(*quantize_pack(v[:, :q_t].reshape(-1, d), bits, g), bits, g).view(hk, q_t, d)
+        if q_t:
+            kt = k[:, :q_t].transpose(1, 2).reshape(hk * d, q_t)
+            kq[:, :q_t] = unpack_dequantize(*quantize_pack(kt, bits, rows), bits, rows).view(hk, d, q_t).transpose(1, 2)
+            vq[:, :q_t] = unpack_dequantize(*quantize_pack(v[:, :q_t].reshape(-1, d), bits, g), bits, g).view(hk, q_t, d)
         quant.append(rel(out(kq, vq, causal[None]), exact))
     return np.array(evict), np.array(retained), np.array(quant)
 
@@ -67,7 +71,24 @@ def test_the_losses_are_the_attention_error_of_each_storage_form():
             assert g.shape == w.shape, name
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-7, err_msg=f"{name} at {t} tokens")
         assert got[0][0] == 0.0 and got[0][-1] > got[0][1] > 0          # all kept: exact; fewer kept: worse
-        assert 0 < got[2][1] < got[2][2] < got[2][3]                      # 8 < 4 < 2 bits
+        quantized = [t >= quant_shape(b)[0] for b in S.BITS[1:]]          # a group's rows, or all dense
+        assert [float(x) > 0 for x in got[2][1:]] == quantized, t
+        if all(quantized):
+            assert 0 < got[2][1] < got[2][2] < got[2][3]                  # 8 < 4 < 2 bits
+
+
+def test_the_window_probabilities_are_the_window_scores_and_the_loss_queries_rows():
+    gen = torch.Generator().manual_seed(3)
+    for t, w in ((300, 32), (20, 20)):
+        q, k = torch.randn(9, w, 64, generator=gen), torch.randn(3, t, 64, generator=gen)
+        probs = S.window_probs(q, k.transpose(1, 2), 0.125)                       # [H_kv, g, W, T]
+        assert probs.shape == (3, 3, w, t)
+        torch.testing.assert_close(probs.sum(2).reshape(9, t), scoring.window_scores(q, k, 0.125), rtol=1e-5, atol=1e-6)
+        e = min(S.ERROR_QUERIES, t)
+        cols = torch.arange(t)
+        causal = cols[None, :] <= cols[t - e:, None]
+        torch.testing.assert_close(probs[:, :, -e:].reshape(3, 3 * e, t),
+                                   S._grouped_probs(q[:, -e:], k.transpose(1, 2), causal, 0.125), rtol=1e-5, atol=1e-6)
 
 
 def test_angle_is_the_mean_arccos_of_the_rows_cosines():

@@ -1,6 +1,6 @@
 """The model's linears through oneDNN's packed weights: the same outputs as `nn.Linear` to
-rounding, the decoder's float weights freed, the tied LM head still tied, and nothing swapped
-where the model is not CPU fp32."""
+rounding, the decoder's float weights freed, the tied LM head still tied, bf16 linears on the
+CPU's bf16 units, and nothing swapped where the model is not CPU fp32 or bf16."""
 import dataclasses
 
 import pytest
@@ -40,9 +40,43 @@ def test_packing_a_model_swaps_every_linear_and_keeps_its_logits(tiny_model_dir,
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_nothing_is_swapped_off_cpu_fp32():
+def test_nothing_is_swapped_off_cpu_fp32_or_bf16():
     lm = torch.nn.Module()
-    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    lin = torch.nn.Linear(8, 8).to(torch.float16)
     lm.get_output_embeddings = lambda: lin
     lm.lin = lin
     assert pack(lm) == 0 and type(lm.lin) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17, 600])
+def test_a_bf16_packed_linear_gives_the_bf16_linears_output(rows):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 200, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96).bfloat16()
+    got = PackedLinear(lin, keep_weight=False)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+    exact = x.float() @ lin.weight.float().T + lin.bias.float()                 # fp32 accumulation of bf16 products
+    torch.testing.assert_close(got.float(), exact, rtol=1.6e-2, atol=1.6e-2)    # one bf16 rounding of the result
+
+
+def test_a_bf16_model_is_packed_and_runs_on_the_bf16_units(tiny_model_dir, model_cfg):
+    """Where the CPU has AVX512-BF16 or AMX, oneDNN's verbose log names a bf16 brgemm kernel for
+    the packed linears (a child process: oneDNN reads ONEDNN_VERBOSE once, at its first call)."""
+    import os
+    import subprocess
+    import sys
+
+    from kvplan.host import host
+    packed = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), compute_dtype="bfloat16")).model
+    assert packed.dtype == torch.bfloat16
+    assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 7 + 1
+    if not host().native_bf16:
+        pytest.skip("no AVX512-BF16 or AMX here: oneDNN emulates bf16")
+    code = ("import torch; from kvplan.packed_linear import PackedLinear; "
+            "lin = PackedLinear(torch.nn.Linear(64, 96).bfloat16(), keep_weight=False); "
+            "lin(torch.randn(8, 64).bfloat16())")
+    log = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "1"},
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    calls = [line for line in log.splitlines() if ",exec," in line and ("matmul" in line or "inner_product" in line)]
+    assert calls and all("bf16" in line.split(",")[6] or "amx" in line.split(",")[6] for line in calls), calls   # the kernel
+    assert all("src:bf16" in line and "wei:bf16" in line for line in calls), calls

@@ -1,0 +1,348 @@
+// Prefill attention over the engine's paged pool on the CPU (`paged_prefill`; launcher and torch
+// reference: kernels/paged_prefill.py): a step's query rows of S segments, each attending causally
+// to its own streams' dense fp16 rows, read in place from their pages — the context is never
+// gathered into a new tensor, and no [n, kv_len] score matrix exists.
+//
+// Flash-style: a task is (segment, KV head, tile of BQ query positions) with the h_n query heads
+// that read that KV head, M = BQ·h_n rows sharing every key block they load; key blocks of KB rows
+// (any page size: each row is found through the table) are converted once per task and block —
+// K transposed to [D, KB], V to [KB, Dp] — then scores (4 rows × KB keys in registers), an online
+// softmax (running max and sum per row, fp32), and P·V into fp32 accumulators (2 rows at a time). Rows past
+// a query row's position weigh 0; slots past a stream's last row are never read. Tasks go to
+// threads by cost (causal: a late tile sees more keys), longest first, each to the least loaded
+// thread, so the split does not depend on where tiles fall in the range; at::parallel_for runs one
+// range per thread (torch's thread pool: no second team competes with it). A row's result does not
+// depend on the thread count or on the other segments of the call.
+//
+// Queries fp32, bf16 or fp16, out in q's dtype. fp32 and fp16 queries: fp32 products (queries
+// converted once per task). bf16 queries on a CPU with AVX512-BF16: bf16 products summed in fp32 by
+// VDPBF16PS (twice the multiply-adds of an fp32 FMA per instruction; see `load_block_bf16`). AVX-512
+// where the compiler targets it (kernels/cpu_vec.h), a scalar loop of the fp32 math elsewhere.
+//
+// Shapes: N packed query rows, H query heads, H_kv KV heads, h_n = H / H_kv, D head dim (Dp: D
+// rounded up to 16), R rows a page holds, S segments, MB table width.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_flash.h"
+#include "cpu_vec.h"
+
+namespace {
+
+namespace flash = kvplan::flash;
+
+using flash::KB;
+using flash::NV;
+using flash::accumulate;
+using flash::scores;
+using flash::softmax_block;
+constexpr int64_t BQ = 32;    // query positions a task takes (times h_n query heads)
+
+struct Task {
+  int64_t s, g, j0, nj;       // segment, KV head, first query position (of the segment's n_s), positions
+  double cost;                // keys seen, summed over its rows
+};
+
+struct Scratch {              // one thread's buffers, sized once per call
+  std::vector<float> q, acc, p, kt, vb, m, l;
+  std::vector<uint32_t> q2, kt2, vb2;   // the bf16 path: pairs of bf16 in a 32-bit word (what VDPBF16PS reads)
+  std::vector<uint16_t> p2;
+  Scratch(int64_t M, int64_t D, int64_t Dp)
+      : q(M * Dp), acc(M * Dp), p(M * KB), kt(D * KB), vb(KB * Dp), m(M), l(M),
+        q2(M * ((D + 1) / 2)), kt2((D + 1) / 2 * KB), vb2(KB / 2 * Dp), p2(M * KB) {}
+};
+
+struct Problem {
+  int64_t H, D, Dp, hn, R, MB;
+  float scaling;
+  const int32_t* table;       // [S, H_kv, MB]
+  const at::Half* rows;       // the arena as fp16 rows of D: page p holds rows [2Rp, 2Rp + 2R)
+  const int32_t* kv_len;
+  const int32_t* q_start;
+};
+
+// key rows [k0, k0 + nk) of one stream into sc.kt [D, KB] (K transposed) and sc.vb [KB, Dp] (V), fp32;
+// what nk leaves zero (rows past it are never read from the arena)
+void load_block(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, Scratch& sc) {
+  const int64_t D = pr.D, Dp = pr.Dp, R = pr.R;
+  std::fill(sc.vb.begin() + nk * Dp, sc.vb.end(), 0.f);
+  if (nk < KB) std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
+  for (int64_t r = 0; r < nk; ++r) {
+    const int64_t row = k0 + r;
+    const at::Half* k = pr.rows + ((int64_t)trow[row / R] * 2 * R + row % R) * D;
+    const at::Half* v = k + R * D;
+    float* vr = sc.vb.data() + r * Dp;
+    int64_t d = 0;
+#ifdef KVPLAN_AVX512
+    for (; d + 16 <= D; d += 16) {
+      _mm512_storeu_ps(vr + d, kvplan::load16(v + d));
+      alignas(64) float kk[16];
+      _mm512_store_ps(kk, kvplan::load16(k + d));
+      for (int64_t i = 0; i < 16; ++i) sc.kt[(d + i) * KB + r] = kk[i];
+    }
+#endif
+    for (; d < D; ++d) {
+      vr[d] = static_cast<float>(v[d]);
+      sc.kt[d * KB + r] = static_cast<float>(k[d]);
+    }
+    std::fill(vr + D, vr + Dp, 0.f);
+  }
+}
+
+#if defined(KVPLAN_AVX512) && defined(__AVX512BF16__)
+#define KVPLAN_DPBF16 1
+// The bf16 path (bf16 queries on a CPU with AVX512-BF16): products of bf16 pairs summed into fp32 by
+// VDPBF16PS, two multiply-adds a lane per instruction. Keys and values are converted from their fp16
+// storage to bf16 (exact for rows a bf16 model wrote: its values have bf16's 8 bits), the block's
+// probabilities rounded to bf16 before P·V, as a bf16 flash attention does; sums and softmax in fp32.
+inline __m512bh bh(__m512i x) { return (__m512bh)x; }
+
+// 16 fp16 values -> 16 bf16 bits in the low halves of 16 32-bit lanes
+inline __m512i bf16_lanes(const at::Half* p) { return _mm512_cvtepu16_epi32(kvplan::bf16_bits(kvplan::load16(p))); }
+
+// key rows [k0, k0 + nk) into kt2 [D2, KB] (word (d', r): K[r][2d'], K[r][2d' + 1]) and vb2 [KB / 2, Dp]
+// (word (r', c): V[2r'][c], V[2r' + 1][c]); what nk leaves zero (rows past nk are never read)
+void load_block_bf16(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, Scratch& sc) {
+  const int64_t D = pr.D, Dp = pr.Dp, R = pr.R;
+  std::fill(sc.vb2.begin(), sc.vb2.end(), 0u);
+  if (nk < KB || D % 2) std::fill(sc.kt2.begin(), sc.kt2.end(), 0u);
+  auto* v16 = reinterpret_cast<uint16_t*>(sc.vb2.data());
+  for (int64_t r = 0; r < nk; ++r) {
+    const int64_t row = k0 + r;
+    const at::Half* k = pr.rows + ((int64_t)trow[row / R] * 2 * R + row % R) * D;
+    const at::Half* v = k + R * D;
+    alignas(64) uint16_t kb[16];
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(kb), kvplan::bf16_bits(kvplan::load16(k + d)));
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(kb);
+      for (int64_t i = 0; i < 8; ++i) sc.kt2[(d / 2 + i) * KB + r] = w[i];
+      const __m512i vv = bf16_lanes(v + d);                                 // into the pair's half r % 2
+      uint32_t* dst = sc.vb2.data() + (r / 2) * Dp + d;
+      _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_loadu_si512(dst), r % 2 ? _mm512_slli_epi32(vv, 16) : vv));
+    }
+    for (; d < D; ++d) {
+      auto* k16 = reinterpret_cast<uint16_t*>(sc.kt2.data() + (d / 2) * KB + r);
+      k16[d % 2] = kvplan::bf16(static_cast<float>(k[d])).x;
+      v16[((r / 2) * Dp + d) * 2 + r % 2] = kvplan::bf16(static_cast<float>(v[d])).x;
+    }
+  }
+}
+
+// scores of ROWS rows of q2 (row stride qs words) against kt2 [D2, KB], times `scaling` -> out [ROWS, KB]
+template <int ROWS>
+inline void scores_bf16(const uint32_t* q2, int64_t qs, const uint32_t* kt2, int64_t D2, float scaling, float* out) {
+  __m512 s[ROWS][NV];
+  for (int x = 0; x < ROWS; ++x)
+    for (int v = 0; v < NV; ++v) s[x][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D2; ++d) {
+    __m512bh k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = bh(_mm512_loadu_si512(kt2 + d * KB + 16 * v));
+    for (int x = 0; x < ROWS; ++x) {
+      const __m512bh b = bh(_mm512_set1_epi32(q2[x * qs + d]));
+      for (int v = 0; v < NV; ++v) s[x][v] = _mm512_dpbf16_ps(s[x][v], b, k[v]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scaling);
+  for (int x = 0; x < ROWS; ++x)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + x * KB + 16 * v, _mm512_mul_ps(s[x][v], sc));
+}
+
+// acc rows (ROWS, stride Dp) = acc * alpha + p2 · vb2 (p2 [ROWS, KB] bf16, zero past each row's keys)
+template <int ROWS>
+inline void accumulate_bf16(float* acc, int64_t Dp, const uint16_t* p2, const float* alpha, const uint32_t* vb2,
+                            int64_t nk) {
+  const int64_t pairs = (nk + 1) / 2;
+  for (int64_t c = 0; c < Dp; c += 64) {
+    const int nc = (int)std::min<int64_t>(4, (Dp - c) / 16);
+    __m512 a[ROWS][4];
+    for (int x = 0; x < ROWS; ++x)
+      for (int v = 0; v < 4; ++v)
+        if (v < nc) a[x][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + x * Dp + c + 16 * v), _mm512_set1_ps(alpha[x]));
+    for (int64_t r = 0; r < pairs; ++r) {
+      const uint32_t* vr = vb2 + r * Dp + c;
+      __m512bh vv[4];
+      for (int v = 0; v < 4; ++v)
+        if (v < nc) vv[v] = bh(_mm512_loadu_si512(vr + 16 * v));
+      for (int x = 0; x < ROWS; ++x) {
+        const __m512bh pr = bh(_mm512_set1_epi32(reinterpret_cast<const uint32_t*>(p2 + x * KB)[r]));
+        for (int v = 0; v < 4; ++v)
+          if (v < nc) a[x][v] = _mm512_dpbf16_ps(a[x][v], pr, vv[v]);
+      }
+    }
+    for (int x = 0; x < ROWS; ++x)
+      for (int v = 0; v < 4; ++v)
+        if (v < nc) _mm512_storeu_ps(acc + x * Dp + c + 16 * v, a[x][v]);
+  }
+}
+#endif
+
+// one task: rows (position j, head hh) as row i = j·h_n + hh of the tile
+template <typename T>
+void run_task(const Problem& pr, const Task& t, const T* q, T* out, Scratch& sc) {
+  const int64_t D = pr.D, Dp = pr.Dp, hn = pr.hn, H = pr.H, D2 = (D + 1) / 2;
+  const int64_t q0 = pr.q_start[t.s], n = pr.q_start[t.s + 1] - q0, len = pr.kv_len[t.s];
+  const int64_t M = t.nj * hn, first = len - n + t.j0;          // the tile's first position
+  const int32_t* trow = pr.table + (t.s * (H / hn) + t.g) * pr.MB;
+#ifdef KVPLAN_DPBF16
+  constexpr bool pairs = std::is_same<T, kvplan::bf16>::value;  // bf16 queries: the VDPBF16PS path
+#else
+  constexpr bool pairs = false;
+#endif
+  for (int64_t j = 0; j < t.nj; ++j) {
+    const T* src = q + ((q0 + t.j0 + j) * H + t.g * hn) * D;     // its h_n heads, contiguous
+    for (int64_t hh = 0; hh < hn; ++hh) {
+      const int64_t i = j * hn + hh;
+      if (pairs) {
+        auto* dst = reinterpret_cast<uint16_t*>(sc.q2.data() + i * D2);
+        std::memcpy(dst, src + hh * D, D * sizeof(uint16_t));
+        if (D % 2) dst[D] = 0;
+      } else {
+        float* dst = sc.q.data() + i * Dp;
+        for (int64_t d = 0; d < D; ++d) dst[d] = kvplan::to_f(src[hh * D + d]) * pr.scaling;
+        std::fill(dst + D, dst + Dp, 0.f);
+      }
+    }
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + M * Dp, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + M, -INFINITY);
+  std::fill(sc.l.begin(), sc.l.begin() + M, 0.f);
+  float alpha[2];
+  const int64_t last = first + t.nj - 1;                         // keys [0, last] are seen by some row
+  for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+    const int64_t nk = std::min(KB, last + 1 - k0);
+    float* p = sc.p.data();
+#ifdef KVPLAN_DPBF16
+    if (pairs) {
+      load_block_bf16(pr, trow, k0, nk, sc);
+      int64_t i = 0;
+      for (; i + 4 <= M; i += 4) scores_bf16<4>(sc.q2.data() + i * D2, D2, sc.kt2.data(), D2, pr.scaling, p + i * KB);
+      for (; i < M; ++i) scores_bf16<1>(sc.q2.data() + i * D2, D2, sc.kt2.data(), D2, pr.scaling, p + i * KB);
+    }
+#endif
+    if (!pairs) {
+      load_block(pr, trow, k0, nk, sc);
+      int64_t i = 0;
+      for (; i + 4 <= M; i += 4) scores<4>(sc.q.data() + i * Dp, Dp, sc.kt.data(), D, p + i * KB);
+      for (; i < M; ++i) scores<1>(sc.q.data() + i * Dp, Dp, sc.kt.data(), D, p + i * KB);
+    }
+    for (int64_t i = 0; i < M; i += 2) {                         // two rows at a time through P·V
+      const int64_t rows = std::min<int64_t>(2, M - i);
+      int64_t upto = 0;
+      for (int64_t x = 0; x < rows; ++x) {
+        const int64_t seen = std::min(nk, first + (i + x) / hn - k0 + 1);   // keys at or before its position
+        alpha[x] = softmax_block(p + (i + x) * KB, seen, sc.m[i + x], sc.l[i + x]);
+        upto = std::max(upto, seen);
+      }
+      if (upto <= 0) continue;
+      float* acc = sc.acc.data() + i * Dp;
+#ifdef KVPLAN_DPBF16
+      if (pairs) {
+        uint16_t* p2 = sc.p2.data() + i * KB;
+        for (int64_t x = 0; x < rows; ++x)
+          for (int v = 0; v < NV; ++v)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + x * KB + 16 * v),
+                                kvplan::bf16_bits(_mm512_loadu_ps(p + (i + x) * KB + 16 * v)));
+        if (rows == 2) accumulate_bf16<2>(acc, Dp, p2, alpha, sc.vb2.data(), upto);
+        else accumulate_bf16<1>(acc, Dp, p2, alpha, sc.vb2.data(), upto);
+        continue;
+      }
+#endif
+      if (rows == 2) accumulate<2>(acc, Dp, p + i * KB, alpha, sc.vb.data(), upto);
+      else accumulate<1>(acc, Dp, p + i * KB, alpha, sc.vb.data(), upto);
+    }
+  }
+  for (int64_t j = 0; j < t.nj; ++j) {
+    T* dst = out + ((q0 + t.j0 + j) * H + t.g * hn) * D;
+    for (int64_t hh = 0; hh < hn; ++hh) {
+      const int64_t i = j * hn + hh;
+      const float inv = 1.f / sc.l[i];
+      for (int64_t d = 0; d < D; ++d) dst[hh * D + d] = kvplan::from_f<T>(sc.acc[i * Dp + d] * inv);
+    }
+  }
+}
+
+// tasks -> per thread the tasks it runs: longest first, each to the least loaded thread
+std::vector<std::vector<int64_t>> assign(const std::vector<Task>& tasks, int64_t threads) {
+  std::vector<int64_t> order(tasks.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tasks[a].cost > tasks[b].cost; });
+  std::vector<std::vector<int64_t>> out(threads);
+  std::vector<double> load(threads, 0.0);
+  for (int64_t i : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    out[t].push_back(i);
+    load[t] += tasks[i].cost;
+  }
+  return out;
+}
+
+}  // namespace
+
+// q [N, H, D] fp32/bf16/fp16 contiguous; arena [bytes] uint8; table [S, H_kv, MB], kv_len [S],
+// q_start [S + 1] int32 -> out [N, H, D] in q's dtype (kernels/paged_prefill.py states the contract)
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor arena, torch::Tensor table, torch::Tensor kv_len,
+                            torch::Tensor q_start, int64_t page_rows, double scaling) {
+  const auto qt = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && !q.is_cuda() &&
+              (qt == torch::kFloat || qt == torch::kBFloat16 || qt == torch::kHalf), "q must be a contiguous CPU fp32/bf16/fp16 [N, H, D]");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(arena.scalar_type() == torch::kUInt8 && arena.dim() == 1 && arena.is_contiguous() && arena.numel() % (2 * D) == 0,
+              "arena must be uint8 [bytes] of whole fp16 rows");
+  TORCH_CHECK(table.scalar_type() == torch::kInt && table.dim() == 3 && table.size(1) > 0 && H % table.size(1) == 0,
+              "table must be int32 [S, H_kv, MB]");
+  const int64_t S = table.size(0), Hk = table.size(1), MB = table.size(2);
+  TORCH_CHECK(kv_len.scalar_type() == torch::kInt && kv_len.numel() == S, "kv_len must be int32 [S]");
+  TORCH_CHECK(q_start.scalar_type() == torch::kInt && q_start.numel() == S + 1, "q_start must be int32 [S + 1]");
+  TORCH_CHECK(page_rows >= 1, "page_rows must be >= 1");
+  auto tab = table.contiguous();
+  auto lens = kv_len.contiguous();
+  auto starts = q_start.contiguous();
+  const int32_t *lp = lens.data_ptr<int32_t>(), *sp = starts.data_ptr<int32_t>(), *tp = tab.data_ptr<int32_t>();
+  const int64_t pages = arena.numel() / (4 * page_rows * D);
+  TORCH_CHECK(sp[0] == 0 && sp[S] == N, "q_start must rise from 0 to N");
+  const int64_t hn = H / Hk;
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = sp[s + 1] - sp[s], len = lp[s];
+    TORCH_CHECK(n >= 0 && n <= len, "segment ", s, ": ", n, " query rows but kv_len ", len);
+    TORCH_CHECK((len + page_rows - 1) / page_rows <= MB, "segment ", s, ": kv_len ", len, " needs more pages than the table's ", MB);
+    for (int64_t g = 0; g < Hk; ++g)
+      for (int64_t b = 0; b < (len + page_rows - 1) / page_rows; ++b) {
+        const int64_t page = tp[(s * Hk + g) * MB + b];
+        TORCH_CHECK(page >= 0 && page < pages, "segment ", s, ", KV head ", g, ": page ", page, " outside the arena");
+      }
+    for (int64_t j0 = 0; j0 < n; j0 += BQ) {
+      const int64_t nj = std::min(BQ, n - j0), first = len - n + j0;
+      for (int64_t g = 0; g < Hk; ++g)
+        tasks.push_back({s, g, j0, nj, (double)nj * hn * (first + (nj + 1) / 2.0 + KB)});
+    }
+  }
+  auto out = torch::empty_like(q);
+  if (tasks.empty()) return out;
+  const Problem pr{H, D, (D + 15) / 16 * 16, hn, page_rows, MB, (float)scaling, tp,
+                   reinterpret_cast<const at::Half*>(arena.data_ptr<uint8_t>()), lp, sp};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (int64_t)tasks.size());
+  const auto plan = assign(tasks, threads);
+  auto body = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      Scratch sc(BQ * hn, D, pr.Dp);
+      for (int64_t th = b; th < e; ++th)
+        for (int64_t i : plan[th]) run_task<T>(pr, tasks[i], qp, op, sc);
+    });
+  };
+  if (qt == torch::kFloat) body(float{});
+  else if (qt == torch::kBFloat16) body(kvplan::bf16{});
+  else body(kvplan::f16{});
+  return out;
+}
