@@ -30,7 +30,8 @@ from kvcore.request import InvalidRequest
 from planner.request import PlanInput
 from planner.strategy import Strategy
 
-RESIDUAL = 32          # newest tokens a quant layer keeps in the storage dtype
+RESIDUAL = 16          # newest tokens a quant layer keeps dense: with a 4-bit page of 48 rows its tail holds
+                       # 16-63 rows, the most it held with groups of 32 and 32 kept (KIVI keeps a residual)
 # The storage dtype's itemsize (fp16). A plan request does not say the executor's storage dtype
 # (only an adaptive budget's load does), so plans price the default's.
 STORAGE_BYTES = 2

@@ -41,9 +41,8 @@ from kvcore import offload_budget
 from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
-from kvcore.blocks import BLOCK_ROWS, quant_shape
-
-CODED_ROW_SHARE = 17 / 256      # a coded row's fields in the pool against a dense fp16 row at head dim 64
+from kvcore.blocks import BLOCK_ROWS, Layout, quant_shape
+from kvcore.plan_cost import coded_pages
 from planner.budget import context_ratio, fits_full, holds, row_cost
 from planner.definition import Definition
 from kvcore.request import InvalidRequest
@@ -74,20 +73,16 @@ class Composed:
         if l == 0 or fits_full(inp, BLOCK_ROWS) or not (d.eviction or d.codebook or d.merge or d.quant or d.offload):
             return full_plan(m, plan_id, strategy=inp.strategy, fingerprint=inp.model.fingerprint,
                              budget_met=l == 0 or fits_full(inp, BLOCK_ROWS), prompt_tokens=l)
-        b = self.budgets(inp) if d.eviction else None
-        pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}
-        layers, held = [], []                                                                # held: [m] token units
-        for i in range(m):
-            if i in pairs or i in pairs.values():
-                mg = d.merge
-                layers.append(LayerPlan(layer=i, merge=Merge(pairs[i], mg.t, mg.retention_k, mg.retention_v))
-                              if i in pairs else LayerPlan(layer=i))
-                held.append(l * merged_share(mg, inp.model.num_kv_heads * inp.model.head_dim))
-                continue
-            cb = Codebook(d.codebook.theta_k, d.codebook.theta_v) if d.codebook and d.codebook.on(i) else None
-            ev = self._eviction(int(b.keep[i]), b.sinks, b.window, l) if b else None
-            layers.append(LayerPlan(layer=i, eviction=ev, codebook=cb, quant=None if cb else d.quant))
-            held.append(_held(layers[-1], l))
+        # A codebook layer's pages (fields, entries, each rounded to whole pages) are not linear in its
+        # kept rows: plan at the budget, then, while the coded layers overrun it, at a budget
+        # scaled down by the overrun (a few rounds: held is nearly linear in the budget).
+        scale, lay = 1.0, Layout(inp.model.head_dim)
+        for _ in range(8):
+            layers, held, b, pairs = self._layers(inp, scale, lay)
+            over = np.mean(held) / l / max(context_ratio(inp, self.added_row_cost(inp), self.block(inp)), 1e-9)
+            if not (d.codebook and b) or over <= 1 + 1e-9:
+                break
+            scale /= over
         offload = self._offload(inp)
         plain = [i for i, lp in enumerate(layers) if lp.kind == "full" and i not in pairs.values()] if offload.enabled else []
         met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp,
@@ -105,6 +100,26 @@ class Composed:
             budget_met=bool(met), budget_floor_tokens=min(l, b.sinks + b.window) if b else l,
         )
 
+    def _layers(self, inp: PlanInput, scale: float, lay: Layout):
+        """-> (layer plans, held [m] token units, budgets, merged pairs {upper: lower}) with the
+        eviction budget scaled by `scale`."""
+        d, l, m = self.d, inp.prompt_tokens, inp.model.num_layers
+        b = self.budgets(inp, scale) if d.eviction else None
+        pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}
+        layers, held = [], []
+        for i in range(m):
+            if i in pairs or i in pairs.values():
+                mg = d.merge
+                layers.append(LayerPlan(layer=i, merge=Merge(pairs[i], mg.t, mg.retention_k, mg.retention_v))
+                              if i in pairs else LayerPlan(layer=i))
+                held.append(l * merged_share(mg, inp.model.num_kv_heads * inp.model.head_dim))
+                continue
+            cb = Codebook(d.codebook.theta_k, d.codebook.theta_v) if d.codebook and d.codebook.on(i) else None
+            ev = self._eviction(int(b.keep[i]), b.sinks, b.window, l) if b else None
+            layers.append(LayerPlan(layer=i, eviction=ev, codebook=cb, quant=None if cb else d.quant))
+            held.append(_held(layers[-1], l, lay))
+        return layers, held, b, pairs
+
     def _offload(self, inp: PlanInput) -> OffloadPlan:
         """The plan's offload part, fitted to the budget after the prompt (`kvcore.offload_budget`;
         the engine refits it to the job's length)."""
@@ -114,9 +129,9 @@ class Composed:
         part = OffloadPlan(enabled=True, **dataclasses.asdict(o))
         return offload_budget.fit(part, inp.target_ratio, inp.prompt_tokens, 0, inp.model.head_dim)
 
-    def budgets(self, inp: PlanInput) -> Budgets:
+    def budgets(self, inp: PlanInput, scale: float = 1.0) -> Budgets:
         e, l, m = self.d.eviction, inp.prompt_tokens, inp.model.num_layers
-        r = context_ratio(inp, self.added_row_cost(inp), self.block(inp))   # the prompt's share once added rows are paid
+        r = scale * context_ratio(inp, self.added_row_cost(inp), self.block(inp))   # the prompt's share once added rows are paid
         budget = min(l, math.floor(r * l + 1e-9))             # kept tokens per stored head, layer average
         sinks = min(e.sink_tokens, budget)
         window = budget - sinks if e.window is None else e.window
@@ -168,18 +183,18 @@ def merged_share(mg, w: int) -> float:
     return (1 + 2 / w + gamma * (2 + 2 / w)) / 2
 
 
-def _held(lp: LayerPlan, l: int) -> float:
+def _held(lp: LayerPlan, l: int, lay: Layout) -> float:
     """Tokens' worth of dense fp16 K/V rows an unmerged layer is predicted to hold (l = full): a
-    quant layer's rows a page per group (`kvcore.blocks.quant_shape`: g rows in 16 rows' bytes),
-    a coded layer's (codebook, per-query-head eviction) exact rows and their fields (17 bytes a row
-    against a dense row's 4·64)."""
+    quant layer's rows a page per group (`kvcore.blocks.quant_shape`: g rows in 16 rows' bytes);
+    a codebook layer's pages of fields and of entries, at most an entry a row for K and for V
+    (`kvcore.plan_cost.coded_pages`), R rows' worth a page; an evicted layer's kept tokens."""
     ev = lp.eviction
     kept = min(l, ev.sink_tokens + ev.window + ev.keep_tokens) if ev else l
     if lp.quant:
         q = lp.quant
         return min(kept, q.residual) + max(0, kept - q.residual) * BLOCK_ROWS / quant_shape(q.bits)[0]
-    if lp.codebook or (ev is not None and ev.gqa_mode == "repeat"):
-        return kept * (1 + CODED_ROW_SHARE)
+    if lp.codebook:
+        return float(coded_pages(lay, kept, kept) * lay.rows)
     return kept
 
 

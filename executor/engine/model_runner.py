@@ -184,7 +184,8 @@ class ModelRunner:
             rows = torch.tensor([[spans[i][0] + j for j in range(r)] for i in index], device=dev)
             groups.append(DecodeGroup(index, rows, self.tables.decode_view([slots[i] for i in index], dev)))
         paged = None
-        if prefill_kernel.fast(dev):            # plain context chunks (no H2O, not the last): one call a layer
+        if prefill_kernel.fast(dev) and self.storage_dtype == torch.float16:   # the kernels read fp16 pages
+            # plain context chunks (no H2O, not the last): one call a layer
             index = [i for i in prefills if segments[i].phase is Phase.CONTEXT and not self._h2o(segments[i].seq)]
             prefills = [i for i in prefills if i not in index]
             if index:

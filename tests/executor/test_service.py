@@ -1,6 +1,7 @@
 """The executor over real gRPC on 127.0.0.1 with the real model: the three servicers in one
 process (the embedded default), the job API, bad input, hot strategy swap, planner fallback."""
 import dataclasses
+import re
 import time
 
 import grpc
@@ -166,8 +167,16 @@ def test_every_strategy_runs_a_real_job_through_grpc(client, name):
         assert st.result is None and st.status.state == pb.FAILED, st.status
         assert st.status.error_field == "budget.reserve_ratio" and "reserve ratio 1 fits" in st.status.error
         st = client.run(request(" ".join([CONTEXT] * 3), **job))
+    ratio = 0.5
+    if name.startswith("specache"):
+        # its pages have a floor on a short prompt (the low-bit copy in whole pages, the sinks and
+        # prefetch slots as exact rows, a skip page): 0.5 is refused, saying what fits; run at that
+        assert st.result is None and st.status.error_field == "budget.reserve_ratio", st.status
+        ratio = float(re.search(r"reserve ratio (0\.\d+) fits", st.status.error).group(1))
+        assert 0.5 < ratio < 1.0
+        st = client.run(request(" ".join([CONTEXT] * 3), reserve_ratio=ratio, **job))
     r = st.result
-    assert r.strategy == name and not r.degraded and r.generated_tokens >= 1
+    assert r is not None and r.strategy == name and not r.degraded and r.generated_tokens >= 1, st.status
     assert r.kv_bytes == sum(x.kv_bytes for x in r.per_layer) > 0
     assert r.reserve_ratio == pytest.approx(r.kv_bytes / r.full_kv_bytes)
     if name in ("full", "minicache"):
@@ -175,7 +184,7 @@ def test_every_strategy_runs_a_real_job_through_grpc(client, name):
         assert all(x.kind == "full" for x in r.per_layer)
     else:      # the executor tells the planner the question and the answer's length: the job's
         # cache, measured after its last token, holds its ratio (planner.budget)
-        assert r.reserve_ratio <= 0.5, [(x.kind, x.kept_tokens) for x in r.per_layer]
+        assert r.reserve_ratio <= ratio, [(x.kind, x.kept_tokens) for x in r.per_layer]
     if name.startswith("specache"):      # the embedded cachestore shares this host: shared memory
         assert r.offload.transport == "shm" and r.offload.host_kv_bytes > r.kv_bytes
         assert 0 < r.offload.in_time + r.offload.late <= r.offload.prefetches

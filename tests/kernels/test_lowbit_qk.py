@@ -1,7 +1,7 @@
 """Scores of queries against packed low-bit keys (`kernels.lowbit_qk`): the Triton kernel (under
 TRITON_INTERPRET=1, in a child process — see `tests.kernels.interp`) and the torch reference
 against q · dequant(K)ᵀ built with `kernels.quant`'s dequantizer, a hand-worked example, the
-argument errors, and the executor's key layout (`LowBitKV`)."""
+argument errors (the executor's key layout in the pool: tests/executor/presses/test_offload.py)."""
 from __future__ import annotations
 
 import sys
@@ -94,20 +94,6 @@ def test_worked_example_two_bits():
     expect = torch.tensor([[[5.0, 6.0, 1.0, 4.0]]])
     assert torch.equal(lowbit_qk.lowbit_scores_reference(q, codes, scale, zero, 2), expect)
     assert torch.equal(kernels.lowbit_scores(q, codes, scale, zero, 2), expect)
-
-
-def test_scores_over_the_executors_low_bit_keys_equal_its_dequantized_rows():
-    """`LowBitKV` keeps keys as [H, n, D, B] codes: the scores against them are q · the rows its
-    `rows()` dequantizes (whole groups, no padding here)."""
-    from executor.layers.lowbit import LowBitKV
-    g = torch.Generator().manual_seed(3)
-    k, v = torch.randn(3, 96, 16, generator=g), torch.randn(3, 96, 16, generator=g)
-    low = LowBitKV(k, v, 2, 32, 0, torch.float16)
-    low.seal()
-    q = torch.randn(3, 4, 16, generator=g)
-    rows_k, _ = low.rows(torch.float32)                                           # [3, 96, 16]
-    got = kernels.lowbit_scores(q, low.k_codes, low.k_scale, low.k_zero, 2)
-    assert rel_err(got, torch.einsum("hrd,hld->hrl", q, rows_k)) <= 1e-5
 
 
 @pytest.mark.parametrize("case, match", [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from executor.prompt import Prompt
+from executor.engine.sequence import Phase
 from executor.runner import Runner
 from planner import auto
 from kvcore.statistics import Losses, ProbeStats
@@ -59,7 +60,7 @@ def test_the_budget_holds_at_every_decode_step(tiny_model, ratio, kv_tokens):
         logits = runner.prefill(Prompt(TOKENS, []), cache)
         seen.append(_held_ratio(cache))
         for step in range(1, new + 1):
-            logits, _ = runner.decode_step(int(logits.argmax()), len(TOKENS) + step - 1, cache, step, None)
+            logits = runner.forward([int(logits.argmax())], len(TOKENS) + step - 1, cache, Phase.AFTER)[-1]
             seen.append(_held_ratio(cache))
     assert max(seen) <= plan.predicted_reserve_ratio + 1e-9
     for i, got in enumerate(seen):

@@ -6,6 +6,8 @@ import pytest
 from kvplan.plan import Merge
 from planner import xkv
 from planner.allocation import uniform_keep_counts
+from kvcore.blocks import BLOCK_ROWS
+from planner.budget import context_ratio
 from planner.compose import Composed, apportion, merge_pairs, merged_share
 from planner.definition import loads
 from kvcore.request import InvalidRequest
@@ -28,7 +30,8 @@ def test_xkv_is_algorithm_1_over_the_context_with_the_window_always_kept():
     s = stats(t=4096)
     learned = []
     p = composed(XKV).plan(inp(probe=lambda: s, learn=learned.append), "p")
-    total = int(uniform_keep_counts(0.2, 4096, 32, 30).sum())
+    r = context_ratio(inp(), 1.0, BLOCK_ROWS)             # the pool's pages leave each stream BLOCK_ROWS - 1 rows
+    total = int(uniform_keep_counts(r, 4096, 32, 30).sum())
     ctx = [w[:, :4096 - 32] for w in s.window_scores]                                   # [H, T_c] per layer
     want = xkv.allocate(ctx, total=total, floor=1)
     assert [lp.eviction.keep_tokens for lp in p.layers] == want.keep.tolist()
@@ -58,7 +61,8 @@ def test_xkv_from_a_profiles_shares_does_not_probe():
     shares = tuple(np.linspace(2, 1, 30) / np.linspace(2, 1, 30).sum())
     p = composed(XKV).plan(inp(probe=probe, layer_shares=shares), "p")
     keep = [lp.eviction.keep_tokens for lp in p.layers]
-    assert probe.calls == [] and sum(keep) == int(uniform_keep_counts(0.2, 4096, 32, 30).sum())
+    r = context_ratio(inp(), 1.0, BLOCK_ROWS)
+    assert probe.calls == [] and sum(keep) == int(uniform_keep_counts(r, 4096, 32, 30).sum())
     assert keep == sorted(keep, reverse=True) and keep[0] > 1.5 * keep[-1]
     assert p.predicted_retained_attention == 1.0                                        # not predicted without a probe
 
@@ -130,9 +134,13 @@ def test_codebook_on_listed_layers_and_quant_on_the_others():
     p = composed(d).plan(inp(ratio=0.5), "p")
     assert [lp.kind for lp in p.layers] == ["codebook"] * 2 + ["quant"] * 28
     assert all(lp.eviction is not None for lp in p.layers)
-    kept = 2048                                                                              # 32 window + 2016
-    quant_held = 32 + (kept - 32) * (4 + 32 / 64) / 16
-    assert p.predicted_reserve_ratio == pytest.approx((2 * kept + 28 * quant_held) / 30 / 4096)
+    kept = [32 + lp.eviction.keep_tokens for lp in p.layers]       # the window and the scored tokens kept
+    assert kept[0] == 2048 - 15                          # the budget leaves each stream a page's 15 spare rows
+    quant_held = [32 + (k - 32) * 16 / 48 for k in kept[2:]]   # the residual dense, the rest 48 rows a page of 16 rows' bytes
+    # a codebook layer: 2033 rows' fields in 9 coded pages (240 rows a page), at most an entry a
+    # row for K and for V in 2 × 64 entry pages (32 entries a page): 137 pages of 16 rows' bytes
+    coded_held = [16 * (9 + 2 * 64)] * 2
+    assert p.predicted_reserve_ratio == pytest.approx((sum(coded_held) + sum(quant_held)) / 30 / 4096)
 
 
 def test_kvcrush_rides_on_every_evicted_layer():
@@ -145,4 +153,4 @@ def test_kvcrush_rides_on_every_evicted_layer():
 def test_quant_without_eviction_quantizes_the_whole_prompt():
     p = composed("{name: x, quant: {bits: 2, residual: 0}}").plan(inp(ratio=0.5), "p")
     assert [lp.kind for lp in p.layers] == ["quant"] * 30
-    assert p.predicted_reserve_ratio == pytest.approx((2 + 1) / 16)
+    assert p.predicted_reserve_ratio == pytest.approx(16 / 96)     # a 2-bit page: 96 rows in 16 dense rows' bytes

@@ -51,6 +51,26 @@ def test_the_press_puts_every_row_to_the_store_and_keeps_the_sinks_exact(tiny_mo
     store.release()
 
 
+@torch.inference_mode()
+def test_scores_over_the_low_bit_keys_equal_the_streams_dequantized_rows(tiny_model):
+    """`lowbit_keys` reads the copy's key codes out of its pages as `kernels.lowbit_scores` takes
+    them: the scores against them are q · the rows attention dequantizes from the same pages."""
+    from kernels import lowbit_scores
+    runner = Runner(tiny_model, torch.float16)
+    seq = runner.engine.sequence(PROMPT, offload_plan(tiny_model.num_layers, top_k=8), Sampling(4), store=LocalHandle())
+    runner.engine.add(seq)
+    while not seq.offload_state:
+        runner.engine.step()
+    t, slot = runner.engine.runner.tables, seq.cache.slot
+    codes, scale, zero, bits = offload.lowbit_keys(t, 0, slot)            # [H_kv, n, D, B], [H_kv, n, D] x2
+    rows = codes.shape[1] * 32                                             # key groups of 32 rows
+    assert bits == 2 and rows == 64                                        # 71 rows: two whole groups
+    q = torch.randn(t.H, 3, tiny_model.head_dim, generator=torch.Generator().manual_seed(0))
+    want = torch.stack([q[h] @ k[:rows].T for h, (k, _, _) in enumerate(streams(runner, seq.cache, 0))])
+    assert torch.allclose(lowbit_scores(q, codes, scale, zero, bits), want, rtol=1e-4, atol=1e-4)
+    runner.engine.run_all()
+
+
 def test_exact_rows_for_every_candidate_reproduce_full_kv(tiny_model):
     """top_k >= every quantized row: each step's mixed cache is exact, so greedy decoding equals
     the full cache's token for token, and every prefetch holds the oracle's rows."""
