@@ -91,7 +91,7 @@ def cannot_compress(strategy, model: ModelShape, prefix_probe: Callable[..., Pro
                     if strategy.probe_mode and prefix_probe is not None else None)
     if compresses(strategy.plan(inp, "check")):
         return ""
-    return "its plans keep every layer whole on this model; a budget below 1 is refused"
+    return "its plans keep every layer whole; a budget below 1 is refused"
 
 
 def reference(prober) -> tuple[ModelShape, Callable[..., ProbeStats]]:

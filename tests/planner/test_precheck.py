@@ -61,7 +61,7 @@ def test_minicache_on_unlike_layers_compresses_nothing_and_says_so():
     unlike, alike = _layers(0.5), _layers(0.1)             # angles arccos(cos)/π: cos 0 (SmolLM2's), cos 0.95
     mc = STRATEGIES["minicache"]
     assert precheck.cannot_compress(mc, SHAPE, lambda **kw: unlike) == \
-        "its plans keep every layer whole on this model; a budget below 1 is refused"
+        "its plans keep every layer whole; a budget below 1 is refused"
     assert precheck.cannot_compress(mc, SHAPE, lambda **kw: alike) == ""
     inp = PlanInput(job_id="j", strategy="minicache", prompt_tokens=2954, model=SHAPE, reserve_ratio=0.5,
                     new_tokens=128, probe=precheck.standin(lambda **kw: unlike, 2954))

@@ -465,7 +465,7 @@ async def test_check_model_marks_what_the_model_cannot_compress():
         assert not any(s.cannot_compress for s in plain.strategies)               # not asked: no model loaded
         checked = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(check_model=True), timeout=30)
         marked = {s.name: s.cannot_compress for s in checked.strategies if s.cannot_compress}
-        assert marked == {"minicache": "its plans keep every layer whole on this model; a budget below 1 is refused"}
+        assert marked == {"minicache": "its plans keep every layer whole; a budget below 1 is refused"}
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Plan(_ratio_req(strategy="minicache", prompt_tokens=2954, token_ids=list(range(128)),
                                        precheck=True, budget=common_pb2.Budget(reserve_ratio=0.5)), timeout=10)
