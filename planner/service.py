@@ -97,7 +97,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             if not req.token_ids:
                 raise InvalidRequest("token_ids", f"a precheck of {strategy.name} probes the prompt's first tokens: "
                                                   "send them")
-            prefix = in_mode(self._probe(strategy.name, list(req.token_ids)), strategy.probe_mode)
+            prefix = in_mode(once(lambda *a, **kw: self.prober.probe(*a, **kw), list(req.token_ids)),
+                             strategy.probe_mode)                 # counted as a precheck, not a prompt's probe
             inp = dataclasses.replace(inp, probe=precheck.standin(prefix, inp.prompt_tokens), profile="")
         try:
             plan = await asyncio.to_thread(self._plan, strategy, inp, req)
