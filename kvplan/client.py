@@ -212,8 +212,11 @@ def fold(st: Stream, ev: executor_pb2.JobEvent) -> None:
 class PlannerClient(_Client):
     stub_class = planner_pb2_grpc.PlannerStub
 
-    def strategies(self) -> planner_pb2.StrategyList:
-        return self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=10)
+    def strategies(self, check_model: bool = False) -> planner_pb2.StrategyList:
+        """check_model: also which compress nothing on the planner's model (its first ask loads and
+        probes the model: a longer deadline)."""
+        return self.stub.ListStrategies(planner_pb2.ListStrategiesRequest(check_model=check_model),
+                                        timeout=120 if check_model else 10)
 
     def set_strategy(self, name: str) -> planner_pb2.StrategyInfo:
         return self.stub.SetStrategy(planner_pb2.SetStrategyRequest(name=name), timeout=10)

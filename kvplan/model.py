@@ -47,6 +47,14 @@ def converted_dir(cfg: ModelConfig) -> Path:
     return Path(cfg.cache_dir) / "models" / CONVERTED_NAME
 
 
+def is_prepared(cfg: ModelConfig) -> bool:
+    """Whether `prepare` finds the model without converting it."""
+    if cfg.model:
+        return (Path(cfg.model).expanduser() / "config.json").exists()
+    out = converted_dir(cfg)
+    return (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
 def prepare(cfg: ModelConfig) -> Path:
     """Return a local HF folder for the configured model, converting the GGUF on first use."""
     if cfg.model:

@@ -42,10 +42,11 @@ def strategy(spec: str):
 
 def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | None, tokens: int,
          prompt: str | None, predict: bool = False, new_tokens: int = 0,
-         say=lambda what: None) -> tuple[CompressionPlan, int, str]:
+         say=lambda what: None, question: str = "") -> tuple[CompressionPlan, int, str]:
     """-> (the plan, the prompt's tokens, why a job asking this budget would be refused: "" when
     it would run — `planner.fit`, as the planner service judges it). `say(what)`: each slow
-    step as it starts (the model's shape, the probe)."""
+    step as it starts (the model's shape, the probe). `question`: prefilled after the compressed
+    prompt, as `generate --question` (its tokens come out of the budget too)."""
     from kvcore.request import InvalidRequest
     from planner.request import PlanInput
     s = strategy(spec)
@@ -59,9 +60,11 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
         raise BadInput(f"--new-tokens: must be >= 0, got {new_tokens}")
     if predict and prompt is None:
         raise BadInput("--predict: probes the prompt: give --prompt-file")
+    if question and prompt is None:
+        raise BadInput("--question: follows the prompt: give --prompt-file")
     say("reading the model's shape (a first run converts the model)")
     shape, path = _shape(mcfg)
-    ids = _tokenize(path, prompt) if prompt is not None else None
+    ids, suffix = _tokenize(path, prompt, question) if prompt is not None else (None, 0)
     probe = None
     if ids:
         from planner.probe import Prober, in_mode, once
@@ -73,12 +76,13 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
         probe = once(probing, ids)
     inp = PlanInput(job_id="cli", strategy=s.name, prompt_tokens=len(ids) if ids is not None else tokens,
                     model=shape, reserve_ratio=ratio if kv_tokens is None else None, kv_tokens=kv_tokens,
-                    new_tokens=new_tokens,
+                    new_tokens=new_tokens, suffix_tokens=suffix,
                     probe=in_mode(probe, s.probe_mode) if probe and s.probe_mode else None)
-    from planner import fit
+    from planner import fit, precheck
     try:
         plan = s.plan(inp, "local")
-        refused = "" if fit.usable(plan, inp) else str(fit.refusal(lambda i: s.plan(i, "local"), inp, plan))
+        refused = "" if fit.usable(plan, inp) else \
+            str(fit.refusal(lambda i: s.plan(i, "local"), inp, plan, precheck.note(s, plan)))
     except InvalidRequest as e:
         if e.field == "token_ids" and ids is None:
             raise BadInput(f"--prompt-file: strategy {s.name} probes the prompt: give --prompt-file") from None
@@ -102,10 +106,13 @@ def _shape(mcfg: ModelConfig):
                       fingerprint=model.fingerprint(path)), path
 
 
-def _tokenize(path: Path, text: str) -> list[int]:
+def _tokenize(path: Path, text: str, question: str = "") -> tuple[list[int], int]:
+    """The prompt's context ids as the executor builds them (one user message), and the tokens
+    prefilled after it (`question` and the chat template's assistant prompt; 0 without one)."""
     from transformers import AutoTokenizer
     from executor.prompt import build
-    return build(AutoTokenizer.from_pretrained(path), [{"role": "user", "content": text}]).context_ids
+    got = build(AutoTokenizer.from_pretrained(path), [{"role": "user", "content": text}], question)
+    return got.context_ids, len(got.question_ids)
 
 
 def kept(lp: LayerPlan, prompt_tokens: int) -> int:

@@ -54,8 +54,10 @@ def _least(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
     return hi
 
 
-def refusal(plan_at: Callable[[PlanInput], CompressionPlan], inp: PlanInput, plan: CompressionPlan) -> InvalidRequest:
-    """Why `plan` (of `inp`'s explicit budget) cannot serve the job, and what would."""
+def refusal(plan_at: Callable[[PlanInput], CompressionPlan], inp: PlanInput, plan: CompressionPlan,
+            note: str = "") -> InvalidRequest:
+    """Why `plan` (of `inp`'s explicit budget) cannot serve the job, and what would; `note`: a
+    cause the strategy knows (`planner.precheck.note`), after the why."""
     l, new = inp.prompt_tokens, inp.new_tokens
     by_ratio = inp.reserve_ratio is not None
     field = "budget.reserve_ratio" if by_ratio else "budget.kv_tokens"
@@ -66,7 +68,8 @@ def refusal(plan_at: Callable[[PlanInput], CompressionPlan], inp: PlanInput, pla
     paid = (f"once the rows the job adds — kept whole, in blocks of {BLOCK_ROWS} — are paid for"
             if new or inp.suffix_tokens else f"in blocks of {BLOCK_ROWS} rows")
     why = (f"{inp.strategy} cannot hold {asked} on this job ({l} prompt tokens{added}, {new} new tokens): "
-           f"the budget leaves the prompt {left} tokens per KV head {paid}, and {inp.strategy} keeps at least {floor}")
+           f"the budget leaves the prompt {left} tokens per KV head {paid}, and {inp.strategy} keeps at least {floor}"
+           + note)
     def ok(**change) -> bool:
         other = dataclasses.replace(inp, **change)
         return usable(plan_at(other), other)

@@ -74,8 +74,10 @@ def parse(req: planner_pb2.PlanRequest, strategy: str, max_tokens: int = MAX_TOK
         if total > max_tokens:
             raise InvalidRequest(name, f"prompt_tokens + suffix_tokens + new_tokens must be <= {max_tokens}, "
                                        f"got {total}{'' if name == 'prompt_tokens' else ' or more'}")
-    if req.token_ids and len(req.token_ids) != req.prompt_tokens:
-        raise InvalidRequest("token_ids", f"has {len(req.token_ids)} ids, prompt_tokens says {req.prompt_tokens}")
+    if req.token_ids and len(req.token_ids) != req.prompt_tokens and not (req.precheck and
+                                                                        len(req.token_ids) < req.prompt_tokens):
+        raise InvalidRequest("token_ids", f"has {len(req.token_ids)} ids, prompt_tokens says {req.prompt_tokens}"
+                                          + (" (a precheck: at most that many, its prefix)" if req.precheck else ""))
     if req.token_ids and min(req.token_ids) < 0:
         raise InvalidRequest("token_ids", f"must be >= 0, got {min(req.token_ids)}")
     ratio, tokens = validate_budget(req.budget)

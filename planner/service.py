@@ -25,7 +25,7 @@ from kvplan.auth import Denied, acting_tenant
 from kvplan.keyfile import printable
 from kvplan.config import ModelConfig, PlannerConfig, from_env
 from kvplan.serving import Service
-from planner import adaptive, fit, predict, profiles, request
+from planner import adaptive, fit, precheck, predict, profiles, request
 from kvcore import defaults, statistics
 from kvcore.request import InvalidRequest, adaptive_of, validate_budget
 from planner.probe import in_mode, once
@@ -37,6 +37,8 @@ log = logging.getLogger("kvplan.planner")
 PLANS = Counter("kvplan_planner_plans_total", "plans made", ["strategy"])
 ADAPTIVE = Counter("kvplan_planner_adaptive_total", "adaptive budgets planned, by why the ratio", ["reason"])
 PROBES = Counter("kvplan_planner_probes_total", "probes run", ["strategy"])
+PRECHECKS = Counter("kvplan_planner_prechecks_total", "budgets checked before the prefill (planner.precheck), "
+                    "by outcome", ["outcome"])
 GIVEN = Counter("kvplan_planner_given_statistics_total", "plans made from the executor's own prefill statistics",
                 ["strategy"])
 
@@ -52,6 +54,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         self._prober = prober                      # planner.probe.Prober, made on the first probe
         self._built: dict[str, Strategy] = {}      # definition JSON -> its strategy
         self._tasks: set[asyncio.Task] = set()     # background probes of sampled profile jobs
+        self._checked: dict[tuple[str, str], str] = {}   # (name, version) -> why it cannot compress this model
+        self._reference = None                     # (model shape, lazy probe of planner.precheck.REFERENCE_TEXT)
 
     async def Plan(self, req: planner_pb2.PlanRequest, context) -> common_pb2.CompressionPlan:
         try:
@@ -67,6 +71,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
             inp = dataclasses.replace(inp, strategy=strategy.name)
             if req.predict and not req.token_ids:
                 raise InvalidRequest("token_ids", "predict probes the prompt: send token_ids")
+            if req.precheck:                            # before the prefill: the stand-in's plan, refused as the job's
+                return await self._precheck(strategy, inp, req)
             probe = self._given(req, inp, strategy) if req.HasField("stats") else \
                 self._probe(strategy.name, list(req.token_ids))
             inp, pending = await self._probing(strategy, inp, probe)
@@ -84,6 +90,24 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                  f"; budget not met: it keeps at least {plan.budget_floor_tokens} prompt tokens per KV head")
         return plan.to_proto()
 
+    async def _precheck(self, strategy: Strategy, inp: request.PlanInput, req: planner_pb2.PlanRequest):
+        """A plan from the stand-in of the job's statistics (`planner.precheck`): a budget it cannot
+        hold is refused (InvalidRequest) before the executor prefills the prompt."""
+        if strategy.probe_mode:
+            if not req.token_ids:
+                raise InvalidRequest("token_ids", f"a precheck of {strategy.name} probes the prompt's first tokens: "
+                                                  "send them")
+            prefix = in_mode(once(lambda *a, **kw: self.prober.probe(*a, **kw), list(req.token_ids)),
+                             strategy.probe_mode)                 # counted as a precheck, not a prompt's probe
+            inp = dataclasses.replace(inp, probe=precheck.standin(prefix, inp.prompt_tokens), profile="")
+        try:
+            plan = await asyncio.to_thread(self._plan, strategy, inp, req)
+        except InvalidRequest:
+            PRECHECKS.labels("refused").inc()
+            raise
+        PRECHECKS.labels("held").inc()
+        return dataclasses.replace(plan, strategy=strategy.name, strategy_version=strategy.version).to_proto()
+
     def _plan(self, strategy: Strategy, inp: request.PlanInput, req: planner_pb2.PlanRequest):
         """The job's plan: at its budget, or — an adaptive budget, and the default of a compressing
         strategy asked for no budget — at the largest ratio the executor's load leaves room for."""
@@ -91,7 +115,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if inp.adaptive is None and (req.budget.WhichOneof("kind") is not None or strategy.name == "full"):
             plan = strategy.plan(inp, plan_id)
             if req.budget.WhichOneof("kind") is not None and not fit.usable(plan, inp):
-                raise fit.refusal(lambda i: strategy.plan(i, plan_id), inp, plan)     # never run to answer garbage
+                raise fit.refusal(lambda i: strategy.plan(i, plan_id), inp, plan,     # never run to answer garbage
+                                  precheck.note(strategy, plan))
             return plan
         floor_ratio, min_retained = inp.adaptive or (0.0, 0.0)
         plan = adaptive.plan(lambda r: strategy.plan(dataclasses.replace(inp, reserve_ratio=r, kv_tokens=None), plan_id),
@@ -102,8 +127,25 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     async def ListStrategies(self, req, context) -> planner_pb2.StrategyList:
         active = await self.active.get()
-        return planner_pb2.StrategyList(
-            active=active, strategies=[_info(s, active) for s in (await self._strategies()).values()])
+        infos = [_info(s, active) for s in (await self._strategies()).values()]
+        if req.check_model:
+            for info, s in zip(infos, (await self._strategies()).values()):
+                info.cannot_compress = await asyncio.to_thread(self._cannot_compress, s)
+        return planner_pb2.StrategyList(active=active, strategies=infos)
+
+    def _cannot_compress(self, s: Strategy) -> str:
+        """Why `s` compresses nothing on the model the prober loads (`planner.precheck`), once per
+        strategy version; the reference text is probed once."""
+        key = (s.name, s.version)
+        if key not in self._checked:
+            if self._reference is None:
+                self._reference = precheck.reference(self.prober)
+            try:
+                self._checked[key] = precheck.cannot_compress(s, *self._reference)
+            except (InvalidRequest, ValueError) as e:     # a custom definition the stand-in cannot plan: unmarked
+                log.warning("strategy %s: cannot tell whether it compresses this model: %s", printable(s.name), e)
+                self._checked[key] = ""
+        return self._checked[key]
 
     async def SetStrategy(self, req: planner_pb2.SetStrategyRequest, context) -> planner_pb2.StrategyInfo:
         try:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/planner.proto\x12\tkvplan.v1\x1a\x13protos/common.proto\"v\n\nModelShape\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x17\n\x0fnum_query_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\xcb\x02\n\x0bPlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12!\n\x06\x62udget\x18\x04 \x01(\x0b\x32\x11.kvplan.v1.Budget\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x03\x12$\n\x05model\x18\x06 \x01(\x0b\x32\x15.kvplan.v1.ModelShape\x12\x0f\n\x07profile\x18\x07 \x01(\t\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0f\n\x07predict\x18\t \x01(\x08\x12\x15\n\rsuffix_tokens\x18\n \x01(\x03\x12\x12\n\nnew_tokens\x18\x0b \x01(\x05\x12)\n\x05stats\x18\x0c \x01(\x0b\x32\x1a.kvplan.v1.ProbeStatistics\x12\x1f\n\x04load\x18\r \x01(\x0b\x32\x11.kvplan.v1.KVLoad\"a\n\x06KVLoad\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12\x12\n\nfree_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04jobs\x18\x03 \x01(\x05\x12\x10\n\x08itemsize\x18\x04 \x01(\x05\x12\r\n\x05\x63hunk\x18\x05 \x01(\x05\"\xc9\x01\n\x0fProbeStatistics\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x0e\n\x06window\x18\x02 \x01(\x05\x12\r\n\x05heads\x18\x03 \x01(\x05\x12\x15\n\rwindow_scores\x18\x04 \x01(\x0c\x12\x11\n\tk_similar\x18\x05 \x03(\x02\x12\x11\n\tv_similar\x18\x06 \x03(\x02\x12\x0f\n\x07k_angle\x18\x07 \x03(\x02\x12\x0f\n\x07v_angle\x18\x08 \x03(\x02\x12(\n\x06losses\x18\t \x01(\x0b\x32\x18.kvplan.v1.StorageLosses\"`\n\rStorageLosses\x12\x11\n\tfractions\x18\x01 \x03(\x02\x12\r\n\x05\x65vict\x18\x02 \x03(\x02\x12\x10\n\x08retained\x18\x03 \x03(\x02\x12\x0c\n\x04\x62its\x18\x04 \x03(\x05\x12\r\n\x05quant\x18\x05 \x03(\x02\"\x17\n\x15ListStrategiesRequest\"|\n\x0cStrategyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x08\x12\x12\n\nprobe_mode\x18\x05 \x01(\t\x12\x14\n\x0cprobe_losses\x18\x06 \x01(\x08\"K\n\x0cStrategyList\x12+\n\nstrategies\x18\x01 \x03(\x0b\x32\x17.kvplan.v1.StrategyInfo\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\t\"H\n\x12SetStrategyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndefinition\x18\x02 \x01(\t\x12\x10\n\x08\x61\x63tivate\x18\x03 \x01(\x08\"%\n\x15\x44\x65leteStrategyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t2\xa6\x02\n\x07Planner\x12:\n\x04Plan\x12\x16.kvplan.v1.PlanRequest\x1a\x1a.kvplan.v1.CompressionPlan\x12K\n\x0eListStrategies\x12 .kvplan.v1.ListStrategiesRequest\x1a\x17.kvplan.v1.StrategyList\x12\x45\n\x0bSetStrategy\x12\x1d.kvplan.v1.SetStrategyRequest\x1a\x17.kvplan.v1.StrategyInfo\x12K\n\x0e\x44\x65leteStrategy\x12 .kvplan.v1.DeleteStrategyRequest\x1a\x17.kvplan.v1.StrategyListb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/planner.proto\x12\tkvplan.v1\x1a\x13protos/common.proto\"v\n\nModelShape\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x17\n\x0fnum_query_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\xdd\x02\n\x0bPlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12!\n\x06\x62udget\x18\x04 \x01(\x0b\x32\x11.kvplan.v1.Budget\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x03\x12$\n\x05model\x18\x06 \x01(\x0b\x32\x15.kvplan.v1.ModelShape\x12\x0f\n\x07profile\x18\x07 \x01(\t\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\x0f\n\x07predict\x18\t \x01(\x08\x12\x15\n\rsuffix_tokens\x18\n \x01(\x03\x12\x12\n\nnew_tokens\x18\x0b \x01(\x05\x12)\n\x05stats\x18\x0c \x01(\x0b\x32\x1a.kvplan.v1.ProbeStatistics\x12\x1f\n\x04load\x18\r \x01(\x0b\x32\x11.kvplan.v1.KVLoad\x12\x10\n\x08precheck\x18\x0e \x01(\x08\"a\n\x06KVLoad\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12\x12\n\nfree_bytes\x18\x02 \x01(\x03\x12\x0c\n\x04jobs\x18\x03 \x01(\x05\x12\x10\n\x08itemsize\x18\x04 \x01(\x05\x12\r\n\x05\x63hunk\x18\x05 \x01(\x05\"\xc9\x01\n\x0fProbeStatistics\x12\x0e\n\x06tokens\x18\x01 \x01(\x05\x12\x0e\n\x06window\x18\x02 \x01(\x05\x12\r\n\x05heads\x18\x03 \x01(\x05\x12\x15\n\rwindow_scores\x18\x04 \x01(\x0c\x12\x11\n\tk_similar\x18\x05 \x03(\x02\x12\x11\n\tv_similar\x18\x06 \x03(\x02\x12\x0f\n\x07k_angle\x18\x07 \x03(\x02\x12\x0f\n\x07v_angle\x18\x08 \x03(\x02\x12(\n\x06losses\x18\t \x01(\x0b\x32\x18.kvplan.v1.StorageLosses\"`\n\rStorageLosses\x12\x11\n\tfractions\x18\x01 \x03(\x02\x12\r\n\x05\x65vict\x18\x02 \x03(\x02\x12\x10\n\x08retained\x18\x03 \x03(\x02\x12\x0c\n\x04\x62its\x18\x04 \x03(\x05\x12\r\n\x05quant\x18\x05 \x03(\x02\",\n\x15ListStrategiesRequest\x12\x13\n\x0b\x63heck_model\x18\x01 \x01(\x08\"\x95\x01\n\x0cStrategyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x08\x12\x12\n\nprobe_mode\x18\x05 \x01(\t\x12\x14\n\x0cprobe_losses\x18\x06 \x01(\x08\x12\x17\n\x0f\x63\x61nnot_compress\x18\x07 \x01(\t\"K\n\x0cStrategyList\x12+\n\nstrategies\x18\x01 \x03(\x0b\x32\x17.kvplan.v1.StrategyInfo\x12\x0e\n\x06\x61\x63tive\x18\x02 \x01(\t\"H\n\x12SetStrategyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\ndefinition\x18\x02 \x01(\t\x12\x10\n\x08\x61\x63tivate\x18\x03 \x01(\x08\"%\n\x15\x44\x65leteStrategyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t2\xa6\x02\n\x07Planner\x12:\n\x04Plan\x12\x16.kvplan.v1.PlanRequest\x1a\x1a.kvplan.v1.CompressionPlan\x12K\n\x0eListStrategies\x12 .kvplan.v1.ListStrategiesRequest\x1a\x17.kvplan.v1.StrategyList\x12\x45\n\x0bSetStrategy\x12\x1d.kvplan.v1.SetStrategyRequest\x1a\x17.kvplan.v1.StrategyInfo\x12K\n\x0e\x44\x65leteStrategy\x12 .kvplan.v1.DeleteStrategyRequest\x1a\x17.kvplan.v1.StrategyListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSHAPE']._serialized_start=56
   _globals['_MODELSHAPE']._serialized_end=174
   _globals['_PLANREQUEST']._serialized_start=177
-  _globals['_PLANREQUEST']._serialized_end=508
-  _globals['_KVLOAD']._serialized_start=510
-  _globals['_KVLOAD']._serialized_end=607
-  _globals['_PROBESTATISTICS']._serialized_start=610
-  _globals['_PROBESTATISTICS']._serialized_end=811
-  _globals['_STORAGELOSSES']._serialized_start=813
-  _globals['_STORAGELOSSES']._serialized_end=909
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=911
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=934
-  _globals['_STRATEGYINFO']._serialized_start=936
-  _globals['_STRATEGYINFO']._serialized_end=1060
-  _globals['_STRATEGYLIST']._serialized_start=1062
-  _globals['_STRATEGYLIST']._serialized_end=1137
-  _globals['_SETSTRATEGYREQUEST']._serialized_start=1139
-  _globals['_SETSTRATEGYREQUEST']._serialized_end=1211
-  _globals['_DELETESTRATEGYREQUEST']._serialized_start=1213
-  _globals['_DELETESTRATEGYREQUEST']._serialized_end=1250
-  _globals['_PLANNER']._serialized_start=1253
-  _globals['_PLANNER']._serialized_end=1547
+  _globals['_PLANREQUEST']._serialized_end=526
+  _globals['_KVLOAD']._serialized_start=528
+  _globals['_KVLOAD']._serialized_end=625
+  _globals['_PROBESTATISTICS']._serialized_start=628
+  _globals['_PROBESTATISTICS']._serialized_end=829
+  _globals['_STORAGELOSSES']._serialized_start=831
+  _globals['_STORAGELOSSES']._serialized_end=927
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=929
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=973
+  _globals['_STRATEGYINFO']._serialized_start=976
+  _globals['_STRATEGYINFO']._serialized_end=1125
+  _globals['_STRATEGYLIST']._serialized_start=1127
+  _globals['_STRATEGYLIST']._serialized_end=1202
+  _globals['_SETSTRATEGYREQUEST']._serialized_start=1204
+  _globals['_SETSTRATEGYREQUEST']._serialized_end=1276
+  _globals['_DELETESTRATEGYREQUEST']._serialized_start=1278
+  _globals['_DELETESTRATEGYREQUEST']._serialized_end=1315
+  _globals['_PLANNER']._serialized_start=1318
+  _globals['_PLANNER']._serialized_end=1612
 # @@protoc_insertion_point(module_scope)

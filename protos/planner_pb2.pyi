@@ -22,7 +22,7 @@ class ModelShape(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class PlanRequest(_message.Message):
-    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens", "stats", "load")
+    __slots__ = ("job_id", "tenant", "strategy", "budget", "prompt_tokens", "model", "profile", "token_ids", "predict", "suffix_tokens", "new_tokens", "stats", "load", "precheck")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class PlanRequest(_message.Message):
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    PRECHECK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     tenant: str
     strategy: str
@@ -49,7 +50,8 @@ class PlanRequest(_message.Message):
     new_tokens: int
     stats: ProbeStatistics
     load: KVLoad
-    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., stats: _Optional[_Union[ProbeStatistics, _Mapping]] = ..., load: _Optional[_Union[KVLoad, _Mapping]] = ...) -> None: ...
+    precheck: bool
+    def __init__(self, job_id: _Optional[str] = ..., tenant: _Optional[str] = ..., strategy: _Optional[str] = ..., budget: _Optional[_Union[_common_pb2.Budget, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[_Union[ModelShape, _Mapping]] = ..., profile: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., predict: _Optional[bool] = ..., suffix_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., stats: _Optional[_Union[ProbeStatistics, _Mapping]] = ..., load: _Optional[_Union[KVLoad, _Mapping]] = ..., precheck: _Optional[bool] = ...) -> None: ...
 
 class KVLoad(_message.Message):
     __slots__ = ("budget_bytes", "free_bytes", "jobs", "itemsize", "chunk")
@@ -102,24 +104,28 @@ class StorageLosses(_message.Message):
     def __init__(self, fractions: _Optional[_Iterable[float]] = ..., evict: _Optional[_Iterable[float]] = ..., retained: _Optional[_Iterable[float]] = ..., bits: _Optional[_Iterable[int]] = ..., quant: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ListStrategiesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_model",)
+    CHECK_MODEL_FIELD_NUMBER: _ClassVar[int]
+    check_model: bool
+    def __init__(self, check_model: _Optional[bool] = ...) -> None: ...
 
 class StrategyInfo(_message.Message):
-    __slots__ = ("name", "version", "description", "active", "probe_mode", "probe_losses")
+    __slots__ = ("name", "version", "description", "active", "probe_mode", "probe_losses", "cannot_compress")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     PROBE_MODE_FIELD_NUMBER: _ClassVar[int]
     PROBE_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    CANNOT_COMPRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     description: str
     active: bool
     probe_mode: str
     probe_losses: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., active: _Optional[bool] = ..., probe_mode: _Optional[str] = ..., probe_losses: _Optional[bool] = ...) -> None: ...
+    cannot_compress: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., active: _Optional[bool] = ..., probe_mode: _Optional[str] = ..., probe_losses: _Optional[bool] = ..., cannot_compress: _Optional[str] = ...) -> None: ...
 
 class StrategyList(_message.Message):
     __slots__ = ("strategies", "active")

@@ -207,3 +207,29 @@ def test_auto_plans_from_the_executors_own_prefill_without_a_second_one(client):
     r = st.result
     assert r.strategy == "auto" and not r.degraded and r.reserve_ratio <= 0.3 and r.generated_tokens >= 1
     assert count("kvplan_planner_probes_total") == probes and count("kvplan_planner_given_statistics_total") == given + 1
+
+
+def test_a_budget_no_plan_can_hold_is_refused_before_the_prefill(client):
+    """Before (issue 41): auto at 0.2 of a 349-token report was refused after its prefill (and
+    minicache on SmolLM2 after a 13 s one); now a plan from the stand-in of the prompt's statistics
+    refuses it first (planner/precheck.py): no plan from the prefill's statistics is ever asked."""
+    from prometheus_client import REGISTRY
+    from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
+
+    def count(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+    given = {s: count("kvplan_planner_given_statistics_total", strategy=s) for s in ("auto", "minicache")}
+    refused = count("kvplan_planner_prechecks_total", outcome="refused")
+    short = " ".join(DEMO_CONTEXT.split(" ")[:240])
+    for name, ratio, words in (("auto", 0.2, "auto cannot hold reserve ratio 0.2 on this job"),
+                               ("minicache", 0.5, "minicache compresses nothing here")):
+        st = client.run(request(short if name == "auto" else DEMO_CONTEXT, question=DEMO_QUESTION, strategy=name,
+                                reserve_ratio=ratio))
+        assert st.result is None and st.status.state == pb.FAILED and words in st.status.error, st.status
+        assert st.status.error_field == "budget.reserve_ratio"
+    assert count("kvplan_planner_prechecks_total", outcome="refused") == refused + 2
+    assert {s: count("kvplan_planner_given_statistics_total", strategy=s) for s in given} == given
+    held = count("kvplan_planner_prechecks_total", outcome="held")
+    st = client.run(request(DEMO_CONTEXT, question=DEMO_QUESTION, max_new_tokens=4, strategy="auto",
+                            reserve_ratio=0.5))
+    assert st.result is not None and count("kvplan_planner_prechecks_total", outcome="held") == held + 1

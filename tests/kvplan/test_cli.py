@@ -118,7 +118,7 @@ def _local(name, ratio, prompt):
 
 
 def test_plan_prints_the_per_layer_table(real_shape, capsys):
-    assert cli.main(["plan", "--strategy", "spindlekv", "--ratio", "0.2"]) == 0
+    assert cli.main(["plan", "--strategy", "spindlekv", "--ratio", "0.2", "--new-tokens", "0"]) == 0
     head, columns, *rows, note = capsys.readouterr().out.splitlines()
     assert head.startswith("spindlekv v2: 2048 prompt tokens, predicted reserve ratio 0.200")
     assert columns.split()[:5] == ["layer", "kind", "kept", "keep_tokens", "window"]
@@ -129,7 +129,8 @@ def test_plan_prints_the_per_layer_table(real_shape, capsys):
 
 
 def test_plan_json_is_the_protos_json_form(real_shape, capsys):
-    assert cli.main(["plan", "--strategy", "pyramidkv", "--kv-tokens", "1000", "--tokens", "4096", "--json"]) == 0
+    assert cli.main(["plan", "--strategy", "pyramidkv", "--kv-tokens", "1000", "--tokens", "4096", "--json",
+                     "--new-tokens", "0"]) == 0
     got = json.loads(capsys.readouterr().out)
     want = _local("pyramidkv", 1000 / 4096, 4096)
     assert (got["strategy"], got["strategy_version"]) == ("pyramidkv", "1")
@@ -139,7 +140,7 @@ def test_plan_json_is_the_protos_json_form(real_shape, capsys):
 
 def test_plan_new_tokens_keeps_what_the_answer_leaves_of_the_budget(real_shape, capsys):
     args = ["plan", "--strategy", "snapkv", "--ratio", "0.5", "--tokens", "1000", "--json"]
-    assert cli.main(args) == 0
+    assert cli.main(args + ["--new-tokens", "0"]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert cli.main(args + ["--new-tokens", "32"]) == 0
     told = json.loads(capsys.readouterr().out)
@@ -228,3 +229,52 @@ def test_plan_predict_probes_any_strategy(monkeypatch, tiny_model_dir, tmp_path,
     assert 0.0 < copy < 1.0 and 0.0 < retained < 1.0
     assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--predict"]) == 2
     assert "--predict: probes the prompt: give --prompt-file" in capsys.readouterr().err
+
+
+# ---- `kvplan plan` and `kvplan generate` agree (issue 41) ----------------------------------
+
+SHORT = " ".join(__import__("kvplan.demo", fromlist=["DEMO_CONTEXT"]).DEMO_CONTEXT.split(" ")[:240])
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--strategy", "auto", "--ratio", "0.3"], True),        # plan said 0.300 fits: its --new-tokens defaulted to 0
+    (["--strategy", "auto", "--ratio", "0.2", "--question", "Who is the conductor?"], True),
+    (["--strategy", "minicache", "--ratio", "0.5", "--max-new-tokens", "8"], True),
+    (["--strategy", "auto", "--ratio", "0.5", "--max-new-tokens", "8"], False),
+])
+def test_plan_and_generate_refuse_and_hold_the_same_flags(embedded, real_shape, monkeypatch, tmp_path, capsys,
+                                                          flags, refused):
+    """Before: `kvplan plan --ratio 0.2` predicted 0.200 with no warning where `generate` with the
+    same flags was refused (plan's --new-tokens defaulted to 0, generate's to 128), and generate's
+    refusal came after its prefill."""
+    monkeypatch.setenv("KVPLAN_EXECUTOR_ADDR", embedded.executor_addr)
+    f = tmp_path / "doc.txt"
+    f.write_text(SHORT)
+    assert cli.main(["plan", "--prompt-file", str(f), *flags]) == 0
+    planned = capsys.readouterr().err
+    code = cli.main(["generate", "--prompt-file", str(f), "--no-progress", *flags])
+    generated = capsys.readouterr().err
+    assert code == (2 if refused else 0), generated
+    warned = "kvplan: warning: a job asking this would be refused: budget.reserve_ratio: "
+    assert (warned in planned) == refused, planned
+    if refused:                       # the same why (what fits: generate's is found before the prefill)
+        why = planned.split(warned)[1].split("; ")[0]
+        assert f"kvplan: error: --ratio: {why}" in generated
+
+
+def test_plan_defaults_to_the_new_tokens_generate_asks(real_shape, capsys):
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--tokens", "300", "--new-tokens", "0"]) == 0
+    assert capsys.readouterr().err == ""                                   # the prompt's cache alone fits
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.3", "--tokens", "300"]) == 0
+    assert "on this job (300 prompt tokens, 128 new tokens)" in capsys.readouterr().err
+    assert cli.main(["plan", "--strategy", "snapkv", "--ratio", "0.5", "--tokens", "300", "--question", "Who?"]) == 2
+    assert "--question: follows the prompt: give --prompt-file" in capsys.readouterr().err
+
+
+def test_strategies_marks_what_the_model_cannot_compress(monkeypatch, tmp_path, real_shape, capsys):
+    """Before: minicache was listed without a caveat and refused at every ratio below 1 on SmolLM2."""
+    monkeypatch.delenv("KVPLAN_PLANNER_ADDR", raising=False)
+    monkeypatch.setenv("KVPLAN_STATE_DIR", str(tmp_path))
+    assert cli.main(["strategies"]) == 0
+    marked = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "[cannot compress this model" in line]
+    assert marked == ["minicache"]

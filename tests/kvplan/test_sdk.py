@@ -64,10 +64,11 @@ def test_client_generates_and_streams_over_the_real_model(embedded):
         assert [x.token_id for x in lps] == [x.top[0].token_id for x in lps]
 
 
-def test_auto_refused_after_its_prefill_streams_no_text_before_the_error(embedded):
-    """auto plans from its own prefill's statistics, so its refusal of a budget comes after the
-    prefill, when the first token is already sampled; before, that token ("The") was streamed and
-    then the job failed. Now the first token waits for the plan."""
+def test_auto_refused_streams_no_text_before_the_error(embedded):
+    """auto plans from its own prefill's statistics; its refusal of a budget came after the
+    prefill, when the first token was already sampled, and that token ("The") was streamed before
+    the job failed. The first token waits for the plan, and such a budget is now refused before
+    the prefill (planner/precheck.py; tests/executor/test_service.py)."""
     context = " ".join(DEMO_CONTEXT.split(" ")[:282])                 # ~413 tokens with the template
     with kvplan.Client(embedded.executor_addr) as client:
         s = client.stream(context, strategy="auto", ratio=0.3, max_new_tokens=128)

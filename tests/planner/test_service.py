@@ -405,3 +405,70 @@ async def test_an_adaptive_budget_plans_for_the_executors_load():
         assert plain.budget_reason == "" and all(lp.kind == "full" for lp in plain.layers)
     finally:
         await _close(server, svc, ch)
+
+
+class _Model:
+    """What a prober's loaded model tells `planner.precheck.reference`: its shape and a tokenizer."""
+    num_layers, num_kv_heads, num_query_heads, head_dim, fingerprint = 30, 3, 9, 64, "f"
+
+    @staticmethod
+    def tokenizer(text):
+        return {"input_ids": list(range(len(text.split())))}
+
+
+class _UnlikeLayers(CountingProbe):
+    """A prober of a model whose adjacent layers are nearly orthogonal (SmolLM2's)."""
+    def __init__(self):
+        s = fakes_stats(t=128)
+        super().__init__(dataclasses.replace(s, k_angle=s.k_angle + 0.5, v_angle=s.v_angle + 0.5))
+
+    def model(self):
+        return _Model()
+
+
+def fakes_stats(**kw):
+    from tests.planner.fakes import stats
+    return stats(**kw)
+
+
+async def test_a_precheck_probes_only_the_prefix_and_refuses_as_the_plan_would():
+    """Before the prefill (issue 41): the executor sends the prompt's first tokens; a budget the
+    strategy cannot hold is INVALID_ARGUMENT with the plan's own words, one it holds is planned."""
+    prober = CountingProbe(fakes_stats(t=128))
+    server, svc, ch, stub = await _planner(prober=prober)
+    try:
+        short = dict(strategy="auto", prompt_tokens=349, new_tokens=128, token_ids=list(range(128)), precheck=True)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Plan(_ratio_req(**short), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("budget.reserve_ratio: auto cannot hold reserve ratio 0.2 on this job "
+                                            "(349 prompt tokens, 128 new tokens)")
+        assert prober.calls == [(list(range(128)), "repeat")]                 # the prefix, no more
+        plan = CompressionPlan.from_proto(await stub.Plan(_ratio_req(**{**short, "prompt_tokens": 2954}), timeout=10))
+        assert plan.budget_met and any(lp.kind != "full" for lp in plan.layers)
+        with pytest.raises(grpc.aio.AioRpcError) as e:                        # a probing precheck needs the prefix
+            await stub.Plan(_ratio_req(**{**short, "token_ids": []}), timeout=10)
+        assert e.value.details().startswith("token_ids: a precheck of auto probes the prompt's first tokens")
+        with pytest.raises(grpc.aio.AioRpcError) as e:                        # a prefix is shorter than the prompt
+            await stub.Plan(_ratio_req(**{**short, "token_ids": list(range(400))}), timeout=10)
+        assert e.value.details().startswith("token_ids: has 400 ids, prompt_tokens says 349")
+    finally:
+        await _close(server, svc, ch)
+
+
+async def test_check_model_marks_what_the_model_cannot_compress():
+    """Before: `kvplan strategies` listed minicache without a caveat; every job asking it a budget
+    below 1 was refused on SmolLM2, whose adjacent layers are nearly orthogonal."""
+    server, svc, ch, stub = await _planner(prober=_UnlikeLayers())
+    try:
+        plain = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
+        assert not any(s.cannot_compress for s in plain.strategies)               # not asked: no model loaded
+        checked = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(check_model=True), timeout=30)
+        marked = {s.name: s.cannot_compress for s in checked.strategies if s.cannot_compress}
+        assert marked == {"minicache": "its plans keep every layer whole; a budget below 1 is refused"}
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Plan(_ratio_req(strategy="minicache", prompt_tokens=2954, token_ids=list(range(128)),
+                                       precheck=True, budget=common_pb2.Budget(reserve_ratio=0.5)), timeout=10)
+        assert "minicache compresses nothing here; `kvplan strategies` marks it" in e.value.details()
+    finally:
+        await _close(server, svc, ch)
