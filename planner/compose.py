@@ -82,7 +82,7 @@ class Composed:
             over = np.mean(held) / l / max(context_ratio(inp, self.added_row_cost(inp), self.block(inp)), 1e-9)
             if not (d.codebook and b) or over <= 1 + 1e-9:
                 break
-            scale /= over
+            scale /= over + 1e-3      # a hair under: an allocation with ties moves in steps
         offload = self._offload(inp)
         plain = [i for i, lp in enumerate(layers) if lp.kind == "full" and i not in pairs.values()] if offload.enabled else []
         met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp,

@@ -89,7 +89,7 @@ def test_a_plan_told_the_added_rows_holds_its_ratio_to_the_jobs_last_token(tiny_
         assert sum(x.full_kv_bytes for x in res.layers) == lm.num_layers * lm.num_kv_heads * 2 * lm.head_dim * 2 * (
             prompt.num_tokens + len(res.token_ids) - 1)            # the last token is never fed back
         ratios[told] = sum(x.kv_bytes for x in res.layers) / sum(x.full_kv_bytes for x in res.layers)
-    if strategy == "spindlekv":     # priced at an entry a row (the most a codebook holds): the prompt's plan
-        assert ratios[True] <= 0.5 and ratios[True] < ratios[False]     # already holds, told keeps fewer
+    if strategy == "spindlekv":     # priced at an entry a row (the most a codebook holds) in whole pages:
+        assert ratios[True] <= 0.5 and ratios[True] <= ratios[False]    # the prompt's plan already holds here
     else:
         assert ratios[True] <= 0.5 < ratios[False]
