@@ -11,6 +11,7 @@ angles) of a real probe of the prompt's first PREFIX_TOKENS tokens; a budget tha
 hold is refused as the real one would be (`planner.fit`), with the same words, before any prefill.
 
     standin(prefix_probe, tokens)   the stand-in probe (`PlanInput.probe`'s form)
+    standin_input(inp, prefix_probe) the job's input with it (and even layer shares for XKV)
     compresses(plan)                whether a plan compresses any layer
     note(strategy, plan)            a refusal's model-made cause (MiniCache finding no pair alike)
     cannot_compress(strategy, ...)  why a strategy compresses nothing on a model ("": it does),
@@ -60,6 +61,15 @@ def standin(prefix_probe: Callable[..., ProbeStats], tokens: int) -> Callable[..
             losses=Losses(fractions=f, evict=np.zeros((m, len(f))), retained=np.tile(f, (m, 1)),
                           bits=b, quant=np.tile((b < 16).astype(np.float64), (m, 1))) if losses else None)
     return probe
+
+
+def standin_input(inp: PlanInput, prefix_probe: Callable[..., ProbeStats]) -> PlanInput:
+    """The job's plan input with the stand-in probe (`standin`) and even layer shares: uniform
+    scores split XKV's total evenly over the layers (the probe's ties would otherwise hand whole
+    layers the budget in layer order: a plan no prompt gives), no profile."""
+    m = inp.model.num_layers
+    return dataclasses.replace(inp, probe=standin(prefix_probe, inp.prompt_tokens), profile="",
+                               layer_shares=(1.0 / m,) * m)
 
 
 def compresses(plan: CompressionPlan) -> bool:

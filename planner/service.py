@@ -99,7 +99,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
                                                   "send them")
             prefix = in_mode(once(lambda *a, **kw: self.prober.probe(*a, **kw), list(req.token_ids)),
                              strategy.probe_mode)                 # counted as a precheck, not a prompt's probe
-            inp = dataclasses.replace(inp, probe=precheck.standin(prefix, inp.prompt_tokens), profile="")
+            inp = precheck.standin_input(inp, prefix)
         try:
             plan = await asyncio.to_thread(self._plan, strategy, inp, req)
         except InvalidRequest:

@@ -26,11 +26,12 @@ def _inputs(strategy: str, tokens: int, ratio: float, new: int, real, prefix):
     base = PlanInput(job_id="j", strategy=strategy, prompt_tokens=tokens, model=SHAPE, reserve_ratio=ratio,
                      new_tokens=new)
     return (dataclasses.replace(base, probe=lambda **kw: real),
-            dataclasses.replace(base, probe=precheck.standin(lambda **kw: prefix, tokens)))
+            precheck.standin_input(base, lambda **kw: prefix))
 
 
 @pytest.mark.parametrize("strategy", ["auto", "xkv", "spindlekv+xkv", "snapkv"])
-@pytest.mark.parametrize("tokens, ratio, new", [(349, 0.2, 128), (349, 0.39, 128), (2954, 0.2, 128),
+@pytest.mark.parametrize("tokens, ratio, new", [(349, 0.2, 128), (349, 0.39, 128), (2954, 0.2, 128), (250, 0.5, 8),
+                                                (280, 0.5, 8),
                                                 (2954, 0.05, 128), (2954, 0.02, 24), (120, 0.9, 16)])
 def test_the_stand_in_refuses_what_the_real_statistics_refuse_and_says_why_in_the_same_words(strategy, tokens, ratio, new):
     """Before: `auto --ratio 0.2` on a 349-token report was refused only after its prefill."""
