@@ -17,11 +17,11 @@ import torch
 
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
-from kvplan import model as models
+from kvcore import model as models
 from kvplan.client import ExecutorClient, request
-from kvplan.config import ModelConfig, from_env
+from kvcore.config import ModelConfig, from_env
 from kvplan.embedded import Embedded
-from kvplan.plan import full_plan
+from kvcore.plan import full_plan
 
 RESULTS = Path(__file__).parent / "results" / "cluster.json"
 FILLER = "The quick brown fox jumps over the lazy dog while the river keeps flowing to the sea. "

@@ -30,9 +30,9 @@ from executor.engine import KVBudget, LLMEngine, Sampling
 from executor.prompt import Prompt
 from kvcore import plan_cost
 from kvcore.statistics import LayerStatistics
-from kvplan import model as models
-from kvplan.config import ModelConfig, from_env
-from kvplan.plan import full_plan
+from kvcore import model as models
+from kvcore.config import ModelConfig, from_env
+from kvcore.plan import full_plan
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 

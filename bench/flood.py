@@ -35,9 +35,10 @@ from pathlib import Path
 import grpc
 import openai
 
-from kvplan import cluster, keyfile
+from kvplan import cluster
+from kvcore import keyfile
 from kvplan.client import request
-from kvplan.config import ClusterConfig, ModelConfig, from_env
+from kvcore.config import ClusterConfig, ModelConfig, from_env
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 

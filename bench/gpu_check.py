@@ -20,8 +20,8 @@ import torch
 from executor.engine import KVBudget, LLMEngine, Sampling
 from executor.prompt import Prompt
 from executor.runner import Runner
-from kvplan import model as models
-from kvplan.config import ModelConfig, from_env
+from kvcore import model as models
+from kvcore.config import ModelConfig, from_env
 from planner.probe import Prober
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES

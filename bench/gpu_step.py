@@ -20,9 +20,9 @@ import torch
 
 from executor.engine import KVBudget, LLMEngine, Sampling, Status
 from executor.prompt import Prompt
-from kvplan import model as models
-from kvplan.config import ModelConfig, from_env
-from kvplan.plan import full_plan
+from kvcore import model as models
+from kvcore.config import ModelConfig, from_env
+from kvcore.plan import full_plan
 
 
 def copy_bandwidth(device) -> float:

@@ -15,10 +15,10 @@ from executor import prompt as P
 from executor.prompt import Prompt
 from cachestore.handle import LocalHandle
 from executor.runner import Prefix, Runner, RunResult, Sampling
-from kvplan import model as models
-from kvplan.config import ModelConfig, from_env
-from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan
+from kvcore import model as models
+from kvcore.config import ModelConfig, from_env
+from kvcore.model import LoadedModel
+from kvcore.plan import CompressionPlan
 from planner.predict import copy_retained_attention, retained_attention
 from kvcore.statistics import ProbeStats
 from planner.probe import Prober

@@ -37,8 +37,8 @@ import httpx
 import psutil
 
 from cachestore.process import free_port
-from kvplan import keyfile
-from kvplan.serving import check_health
+from kvcore import keyfile
+from kvcore.serving import check_health
 
 
 def _spawn(name: str, env: dict, log: Path) -> subprocess.Popen:

@@ -2,7 +2,7 @@
 jobs and the same KV bytes: a wrapper over the peers' own scripts (`../shared/peers/`: vLLM's CPU
 build, llama.cpp's server), which export this checkout's `bench.serve` jobs and budget themselves,
 and one table of every run, captioned with the host's CPU and the flags that decide the peers' speed
-(avx512_bf16, amx: `kvplan.host`).
+(avx512_bf16, amx: `kvcore.host`).
 
     python -m bench.peers best vllm [--dtypes bfloat16 float32] [--kv fp8 auto] [ARGS...]
     python -m bench.peers best llamacpp [--weights f32 f16] [ARGS...]
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvplan.host import host
+from kvcore.host import host
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers"

@@ -13,7 +13,7 @@ import threading
 import time
 
 from bench import load
-from bench.serve import pct, summarize
+from bench.summary import jobs_budget, model_shape, pct, summarize
 from bench.stack import Stack, metric
 
 
@@ -102,11 +102,10 @@ QUIET = 2          # jobs per quiet phase, each sent when the one before it ende
 def burst(args, tok, cases) -> None:
     """Quiet -> burst (3K jobs at once, K = --budget-jobs) -> quiet, per budget kind: the ratio each
     job got, answers, TTFT per phase, decode tokens/s of the burst's steps."""
-    from bench.serve import _shape, jobs_budget
-    from kvplan.config import ModelConfig, from_env
+    from kvcore.config import ModelConfig, from_env
     k = args.budget_jobs[0]
     length = max(args.lengths)
-    budget = args.kv_budget_bytes or jobs_budget(_shape(from_env(ModelConfig), args.max_batched_tokens), args, k)
+    budget = args.kv_budget_bytes or jobs_budget(model_shape(from_env(ModelConfig), args.max_batched_tokens), args, k)
     n_burst = int(round(3 * k))
     pool = load.cases(tok, 2 * QUIET + n_burst, args.lengths)
     kinds = {"full": dict(strategy="full", ratio=None), f"auto@{args.ratio:g}": dict(strategy="auto", ratio=args.ratio),

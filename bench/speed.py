@@ -28,8 +28,8 @@ from bench.harness import Harness, check_strategies, measured_ratio
 from executor.presses.registry import PRESSES
 from executor.presses import codebook as codebook_press
 from executor.prompt import Prompt
-from kvplan.config import PlannerConfig, from_env
-from kvplan.host import host
+from kvcore.config import PlannerConfig, from_env
+from kvcore.host import host
 from planner.strategies import STRATEGIES
 
 RESULTS = Path(__file__).parent / "results"
@@ -179,8 +179,8 @@ def statistics_overhead(h: Harness, ids: list[int], repeats: int, ratio: float =
     wire and back, auto's plan at `ratio`): what the planner adds to a job's prefill."""
     from executor.engine import KVBudget, LLMEngine, Sampling
     from kvcore import statistics as kstats
-    from kvplan.config import ExecutorConfig
-    from kvplan.plan import full_plan
+    from kvcore.config import ExecutorConfig
+    from kvcore.plan import full_plan
     from planner.request import PlanInput
     chunk = from_env(ExecutorConfig).prefill_chunk
     engine = LLMEngine(h.lm, h.runner.storage_dtype, KVBudget(1 << 40), max_batched_tokens=chunk, prefill_chunk=chunk)
@@ -322,8 +322,8 @@ def main(argv=None) -> None:
 
 def step_scaling(args) -> None:
     from bench import steps
-    from kvplan import model as models
-    from kvplan.config import ModelConfig
+    from kvcore import model as models
+    from kvcore.config import ModelConfig
     lm = models.load(from_env(ModelConfig))
     rows = [steps.measure(lm, n, args.reps) for n in args.seqs]
     out_dir = args.out or RESULTS

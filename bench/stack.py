@@ -14,7 +14,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachestore.process import free_port
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 
 SERVICES = ("planner", "cachestore", "executor")
 

@@ -20,7 +20,7 @@ import torch
 
 from executor.engine import KVBudget, LLMEngine, Sampling, Status
 from executor.prompt import Prompt
-from kvplan.plan import full_plan
+from kvcore.plan import full_plan
 
 GEMMS = ("_linear_pointwise", "linear", "addmm", "mm", "matmul", "bmm")
 KERNELS = ("kvplan_cpu_decode",)

@@ -1,7 +1,18 @@
-"""`python -m cachestore`: serve until SIGTERM/SIGINT (settings: KVPLAN_* env)."""
+"""`python -m cachestore` (and `kvplan serve cachestore`): serve until SIGTERM/SIGINT (settings: KVPLAN_* env)."""
 import sys
 
-from kvplan.launch import run
+from kvcore.config import CachestoreConfig
+from kvcore.launch import run
+
+
+def build(cfg: CachestoreConfig):
+    from cachestore.service import build_service  # imported once logging is set up, as the service starts
+    return build_service(cfg)
+
+
+def main() -> int:
+    return run(CachestoreConfig, build)
+
 
 if __name__ == "__main__":
-    sys.exit(run("cachestore"))
+    sys.exit(main())

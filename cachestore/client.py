@@ -25,8 +25,8 @@ from cachestore import wire
 from cachestore.handle import Fetched, JobHandle, StoreUnavailable
 from cachestore.segment import Layout, Segment
 from cachestore.tensor_codec import DTYPES, NAMES, decode, encode
-from kvplan.channels import client_channel
-from kvplan.serving import channel_options
+from kvcore.channels import client_channel
+from kvcore.serving import channel_options
 from protos import cachestore_pb2 as pb
 from protos import cachestore_pb2_grpc
 

@@ -4,7 +4,7 @@ Each RPC decodes and checks its request, runs the store operation in a worker th
 payloads are copied and gathered there, off the event loop), and maps failures to status
 codes: bad input -> INVALID_ARGUMENT naming the field, capacity -> RESOURCE_EXHAUSTED, an
 unknown block -> NOT_FOUND, another tenant's job with a `user` key -> PERMISSION_DENIED (the
-tenant of every call is the API key's; `kvplan.auth`), a registration of an attempt older than
+tenant of every call is the API key's; `kvcore.auth`), a registration of an attempt older than
 the job's -> FAILED_PRECONDITION. A failed RPC leaves the service serving.
 """
 from __future__ import annotations
@@ -23,11 +23,11 @@ from cachestore.keys import BlockKey, JobKey
 from cachestore.segment import Layout, NoSpace, Segment, segment_name, sweep_orphans
 from cachestore.spill import RedisSpill
 from cachestore.store import BlockStore, CapacityError, StaleAttempt
-from kvplan.auth import Denied, acting_tenant, caller
+from kvcore.auth import Denied, acting_tenant, caller
 from cachestore import wire
 from cachestore.tensor_codec import NAMES, decode, encode
-from kvplan.config import CachestoreConfig
-from kvplan.serving import Service
+from kvcore.config import CachestoreConfig
+from kvcore.serving import Service
 from protos import cachestore_pb2, cachestore_pb2_grpc
 
 log = logging.getLogger("kvplan.cachestore")

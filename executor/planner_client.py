@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import grpc
 
 from kvcore import defaults
-from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan, full_plan
-from kvplan.channels import aio_channel
-from kvplan.serving import channel_options
+from kvcore.model import LoadedModel
+from kvcore.plan import CompressionPlan, full_plan
+from kvcore.channels import aio_channel
+from kvcore.serving import channel_options
 from kvcore.request import InvalidRequest
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
 

@@ -36,7 +36,7 @@ from executor.event_hub import EventHub
 from executor.fairness import FairQueue, Waiting
 from executor.job_backend import (PATIENCE, QUEUE_FULL_RETRY_S, Claim, Limits, QueueFull, QueueUnavailable,
                                   check_bounds)
-from kvplan.redis_pool import bounded
+from kvcore.redis_pool import bounded
 
 log = logging.getLogger("kvplan.executor.queue")
 DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)

@@ -20,8 +20,8 @@ from executor.engine.scheduler import Segment
 from executor.engine.sequence import Phase, Sampling, chunks, prefill_parts
 from executor.prompt import Prompt
 from cachestore.handle import JobHandle
-from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan, full_plan
+from kvcore.model import LoadedModel
+from kvcore.plan import CompressionPlan, full_plan
 
 __all__ = ["Cancelled", "Prefix", "Runner", "RunResult", "Sampling"]
 

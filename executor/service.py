@@ -3,7 +3,7 @@
 Every job goes through the job queue (Generate is SubmitJob + WatchJob), so a job is never
 lost with the executor that took the request.
 
-A job's tenant is the caller's API key's (`kvplan.auth`); another tenant's job is NOT_FOUND.
+A job's tenant is the caller's API key's (`kvcore.auth`); another tenant's job is NOT_FOUND.
 Limits come before work: the text's size before tokenizing, every number before queueing, the
 tenant's rate before either, and the queue's bounds (RESOURCE_EXHAUSTED with `retry-after`
 metadata) with the write. An unreachable Redis answers UNAVAILABLE after `redis_retry_s`, and
@@ -33,12 +33,12 @@ from executor.prompt import Prompt
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
-from kvplan.auth import Denied, acting_tenant, caller
-from kvplan.keyfile import KeyRing
-from kvplan.model import load as load_model
-from kvplan.config import ExecutorConfig, ModelConfig, SecurityConfig, from_env
-from kvplan.plan import full_plan
-from kvplan.serving import Service
+from kvcore.auth import Denied, acting_tenant, caller
+from kvcore.keyfile import KeyRing
+from kvcore.model import load as load_model
+from kvcore.config import ExecutorConfig, ModelConfig, SecurityConfig, from_env
+from kvcore.plan import full_plan
+from kvcore.serving import Service
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 

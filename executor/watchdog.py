@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvplan.serving import Service, set_health
+from kvcore.serving import Service, set_health
 
 log = logging.getLogger("kvplan.executor.watchdog")
 

@@ -33,7 +33,7 @@ from executor.planner_client import PRECHECK_TOKENS, PlanOutcome, PlannerClient
 from executor.report import job_result, token_logprobs
 from kvcore import statistics
 from kvcore.statistics import LayerStatistics
-from kvplan.config import ExecutorConfig
+from kvcore.config import ExecutorConfig
 from kvcore.request import InvalidRequest
 from protos import executor_pb2 as pb
 from protos import planner_pb2

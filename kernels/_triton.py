@@ -1,6 +1,6 @@
 """Whether Triton is here, and whether its kernels run in the interpreter — decided once.
 
-Every kernel module imports `triton`/`tl` from here, and `kernels.dispatch` reads the same two
+Every kernel module imports `triton`/`tl` from here, and `kernels.backend` reads the same two
 flags, so they cannot disagree. Triton is optional: without it `HAS_TRITON` is False, `triton`
 and `tl` are None, kernel modules skip their `@triton.jit` definitions, and only the torch
 references are usable.

@@ -20,9 +20,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_extension
 from kernels import decoder_ops_triton as gpu
-from kernels._triton import HAS_TRITON
-
-ENABLED = True       # False: the references everywhere (benches compare both in one process)
+from kernels.backend import backend
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # the compute dtypes the C++ kernels take
@@ -31,14 +29,13 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # the compute dtypes the C++
 def _cpu(x: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether rows like x get the kernel: on the CPU, in one of KERNEL_DTYPES, `others` (weights,
     deltas) in the same dtype; the kernel checks the shapes itself."""
-    return (ENABLED and x.dtype in KERNEL_DTYPES and all(o.dtype == x.dtype for o in others) and x.device.type == "cpu"
-            and cpu_extension.module() is not None)
+    return x.dtype in KERNEL_DTYPES and all(o.dtype == x.dtype for o in others) and backend(x.device) == "cpp"
 
 
 def _gpu(*ts: torch.Tensor) -> bool:
     """Whether these get the Triton kernel: CUDA tensors of a row dtype, unit stride in the last dim."""
-    return ENABLED and HAS_TRITON and all(t.is_cuda and t.dtype in gpu.DTYPES and (t.shape[-1] <= 1 or t.stride(-1) == 1)
-                                          for t in ts)
+    return (all(t.is_cuda and t.dtype in gpu.DTYPES and (t.shape[-1] <= 1 or t.stride(-1) == 1) for t in ts)
+            and backend(ts[0].device) == "triton")
 
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

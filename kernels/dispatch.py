@@ -1,28 +1,17 @@
-"""The one place that decides, per call, whether a hot op runs as a Triton kernel or as its
-plain-torch reference — one function per op.
-
-Rule: Triton when it is importable and either every tensor is on CUDA, or the kernels were
-decorated under the interpreter (TRITON_INTERPRET=1 set before `kernels` was imported), in
-which case they run anywhere. Otherwise — CPU without the interpreter — the torch reference.
-Each function validates its arguments (ValueError / IndexError) before either path runs, so
-both see only inputs the kernels' launchers accept.
+"""The dispatched hot ops, one function per op: each validates its arguments (ValueError /
+IndexError) and then runs the Triton kernel or its plain-torch reference (quantize_pack: the C++
+loop on the CPU) as `kernels.backend` decides — Triton when it is importable and either every
+tensor is on CUDA or the kernels run in the interpreter; otherwise the reference. Both paths
+see only inputs the kernels' launchers accept.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels import codebook, gather, quant, rope_reconstruct, slerp
-from kernels._triton import HAS_TRITON, INTERPRETED
+from kernels.backend import use_triton
 from kernels import hamming
 from kernels import lowbit_qk as lowbit
-
-
-def use_triton(*tensors: torch.Tensor) -> bool:
-    if not HAS_TRITON or not tensors:
-        return False
-    if INTERPRETED:
-        return True
-    return all(t.is_cuda for t in tensors)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_extension
-
-ENABLED = True
+from kernels.backend import backend
 
 
 def write_kv_reference(rows: torch.Tensor, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int) -> None:
@@ -24,8 +23,8 @@ def write_kv_reference(rows: torch.Tensor, at: torch.Tensor, k: torch.Tensor, v:
 
 def write_kv(rows: torch.Tensor, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: int) -> None:
     """rows [n, D] fp16 (the arena's rows); at [M] int64; k, v [M, D] fp32 or bf16 (the compute dtype)."""
-    if (ENABLED and not rows.is_cuda and rows.dtype == torch.float16 and k.dtype in (torch.float32, torch.bfloat16)
-            and v.dtype == k.dtype and cpu_extension.module() is not None):
+    if (rows.dtype == torch.float16 and k.dtype in (torch.float32, torch.bfloat16) and v.dtype == k.dtype
+            and backend(rows.device) == "cpp"):
         cpu_extension.module().write_kv(rows, at.contiguous(), k.contiguous(), v.contiguous(), r)
         return
     write_kv_reference(rows, at, k, v, r)

@@ -30,11 +30,11 @@ import torch
 
 from kernels import cpu_extension
 from kernels._triton import HAS_TRITON, pow2_at_least, tl, triton
+from kernels.backend import backend
 from kernels.quant import unpack_dequantize_reference
 from kvcore.blocks import Layout
 
 TASK_ROWS = 256        # rows of one split-K task on the CPU
-ENABLED = True         # False: the reference everywhere (benches compare both in one process)
 ALL_HEADS = 0xFF       # a row every query head of its group sees
 
 
@@ -224,9 +224,10 @@ def paged_decode(q: torch.Tensor, arena: torch.Tensor, dtable, dstart, dend, qta
     keys -> out [G, h, D] fp32, lse [G, h] fp32."""
     tables = (dtable, dstart, dend, qtable, qn, qform, ctable, cn, ektable, evtable, xpage)
     _check(q, arena, tables)
-    mod = cpu_extension.module() if ENABLED and not arena.is_cuda and layout.itemsize == 2 else None
-    if ENABLED and arena.is_cuda and HAS_TRITON and hasattr(_kernels, "paged_decode_triton"):
+    kind = backend(arena.device)                                  # `kernels.backend` decides
+    if kind == "triton" and hasattr(_kernels, "paged_decode_triton"):
         return _kernels.paged_decode_triton(q, arena, *tables, layout, scaling, rope, group_heads)
+    mod = cpu_extension.module() if kind == "cpp" and layout.itemsize == 2 else None   # the C++ reads fp16 pages
     if mod is not None and hasattr(mod, "paged_decode_mixed"):
         cos, sin = rope if rope is not None else (torch.zeros(1, layout.head_dim), torch.zeros(1, layout.head_dim))
         out, lse = mod.paged_decode_mixed(q.float().contiguous(), arena, *(t.contiguous() for t in tables),

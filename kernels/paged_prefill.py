@@ -28,8 +28,8 @@ import torch
 
 from kernels import cpu_extension
 from kernels._triton import HAS_TRITON, pow2_at_least, require_triton, tl, triton
+from kernels.backend import backend
 
-ENABLED = True          # False: the reference everywhere (benches compare both in one process)
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REF_CHUNK = 256         # query rows the reference scores at a time (bounds its [H, chunk, kv_len] logits)
 BLOCK_M, BLOCK_N = 64, 64   # query rows and key rows a Triton program takes at a time (CUDA)
@@ -93,11 +93,10 @@ def _check(q, arena, table, kv_len, q_start, page_rows) -> None:
 
 
 def fast(device: torch.device) -> bool:
-    """Whether a kernel (not the reference) serves this device: Triton on CUDA, the C++ one on the CPU."""
-    if device.type == "cuda":
-        return ENABLED and HAS_TRITON
-    ext = cpu_extension.module() if ENABLED else None
-    return ext is not None and hasattr(ext, "paged_prefill")
+    """Whether a kernel (not the reference) serves this device: Triton on CUDA, the C++ one on the CPU
+    (`kernels.backend` decides)."""
+    kind = backend(device)
+    return kind == "triton" or kind == "cpp" and hasattr(cpu_extension.module(), "paged_prefill")
 
 
 def paged_prefill(q: torch.Tensor, arena: torch.Tensor, table: torch.Tensor, kv_len: torch.Tensor,
@@ -105,9 +104,10 @@ def paged_prefill(q: torch.Tensor, arena: torch.Tensor, table: torch.Tensor, kv_
     """q [N, H, D] contiguous; arena [bytes] u8; table [S, H_kv, MB], kv_len [S], q_start [S + 1] (int32)
     -> [N, H, D] in q's dtype. Triton on CUDA, the C++ kernel on the CPU where built, else the reference."""
     _check(q, arena, table, kv_len, q_start, page_rows)
-    if ENABLED and q.is_cuda and HAS_TRITON:
+    kind = backend(q.device)
+    if kind == "triton":
         return paged_prefill_triton(q, arena, table, kv_len, q_start, page_rows, scaling)
-    ext = cpu_extension.module() if ENABLED and not q.is_cuda else None
+    ext = cpu_extension.module() if kind == "cpp" else None
     if ext is not None and hasattr(ext, "paged_prefill"):
         return ext.paged_prefill(q, arena, table.contiguous(), kv_len.contiguous(), q_start.contiguous(), page_rows,
                                  float(scaling))

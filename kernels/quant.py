@@ -33,6 +33,7 @@ import torch
 
 from kernels import cpu_extension
 from kernels._triton import HAS_TRITON, pow2_at_least, require_triton, tl, triton
+from kernels.backend import backend
 
 BITS = (1, 2, 4, 8)
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -276,8 +277,9 @@ def quantize_pack_reference(
 
 
 def quantize_pack_cpu_handles(x: torch.Tensor) -> bool:
-    """Whether `quantize_pack_cpu` takes x: fp32 or fp16 on the CPU (any strides), the C++ built."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16) and cpu_extension.module() is not None
+    """Whether `quantize_pack_cpu` takes x: fp32 or fp16 on the CPU (any strides), the C++ built
+    (`kernels.backend`)."""
+    return x.dtype in (torch.float32, torch.float16) and backend(x.device) == "cpp"
 
 
 def quantize_pack_cpu(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -21,9 +21,8 @@ import math
 import torch
 
 from kernels import cpu_extension
+from kernels.backend import backend
 from kvcore.blocks import quant_shape
-
-ENABLED = True          # False: the reference everywhere (benches compare both in one process)
 
 
 def groups(bits: int, d: int) -> tuple[int, int]:
@@ -70,7 +69,7 @@ def quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: lis
                          f"{list(v.shape)}")
     if not 1 <= wq <= k.shape[1] or q.shape[1] % wq:
         raise ValueError(f"wq must divide the {q.shape[1]} query rows and be within 1..{k.shape[1]}, got {wq}")
-    ext = cpu_extension.module() if ENABLED and q.device.type == "cpu" else None
+    ext = cpu_extension.module() if backend(q.device) == "cpp" else None
     if ext is not None and hasattr(ext, "quant_attention") and q.dtype == k.dtype == v.dtype == torch.float32:
         widths = [groups(b, q.shape[2]) for b in bits]
         return ext.quant_attention(q.contiguous(), k.contiguous(), v.contiguous(), list(bits), [r for r, _ in widths],

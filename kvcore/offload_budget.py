@@ -24,7 +24,7 @@ import itertools
 
 from kvcore.blocks import Layout
 from kvcore.plan_cost import offload_pages
-from kvplan.plan import OffloadPlan
+from kvcore.plan import OffloadPlan
 
 VALUE_GROUPS = (64, 32)
 TOP_KS = (48, 32)          # below the plan's own; 32 is the floor

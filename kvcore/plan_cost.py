@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcore import cost
 from kvcore.blocks import Layout, ceil_div
-from kvplan.plan import CompressionPlan, LayerPlan, OffloadPlan
+from kvcore.plan import CompressionPlan, LayerPlan, OffloadPlan
 
 OFFLOAD_KEY_GROUP = 32       # SpeCache's low-bit keys per channel scale (`executor.presses.offload`)
 

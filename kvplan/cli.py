@@ -25,8 +25,9 @@ from pathlib import Path
 import grpc
 
 from kvplan import __version__
-from kvplan import keyfile, keyscmd
-from kvplan.config import ClientConfig, ClusterConfig, ConfigError, ModelConfig, from_env
+from kvplan import keyscmd
+from kvcore import keyfile
+from kvcore.config import ClientConfig, ClusterConfig, ConfigError, ModelConfig, from_env
 
 
 class UsageError(Exception):
@@ -169,7 +170,7 @@ def _dispatch(args) -> int:
         return 0 if all(h in ("SERVING", "UP") for *_, h in rows) else 1
     if args.cmd == "prepare-model":
         from kernels import cpu_extension
-        from kvplan import model
+        from kvcore import model
         print(model.prepare(mcfg))
         print(f"CPU decode kernels: {'built' if cpu_extension.build() else 'not built (the torch references serve)'}")
         return 0
@@ -194,8 +195,8 @@ def _serve(service: str) -> int:
     if service == "http":
         from kvplan.gateway import run as run_http
         return run_http()
-    from kvplan.launch import run
-    return run(service)
+    import importlib
+    return importlib.import_module(f"{service}.__main__").main()     # as `python -m SERVICE`
 
 
 def _planner_address(ccfg: ClusterConfig, mcfg: ModelConfig) -> str | None:
@@ -218,7 +219,7 @@ def _strategies(args) -> int:
             print("kvplan: no planner is up (no `kvplan up` cluster, no KVPLAN_PLANNER_ADDR): "
                   f"nothing to {'switch' if args.action == 'set' else 'define'}", file=sys.stderr)
             return 1
-        from kvplan.config import PlannerConfig
+        from kvcore.config import PlannerConfig
         from planner.strategies import STRATEGIES
         default = from_env(PlannerConfig).default_strategy
         print("kvplan: no planner is up; the strategies this install ships (* = the default for jobs "
@@ -254,7 +255,7 @@ def _strategy_row(active: bool, name: str, version: str, description: str, canno
 def _cannot_compress_here(strategies) -> dict[str, str]:
     """Without a planner: name -> why it compresses nothing on the model, as a planner says it
     (`planner.precheck`), when the model is here already (never converted for a listing)."""
-    from kvplan import model
+    from kvcore import model
     from kvplan.ticker import Ticker
     from planner import precheck
     from planner.probe import Prober
@@ -296,7 +297,7 @@ def _plan(args, mcfg: ModelConfig) -> int:
                 args.prompt = None
                 text = _read_prompt(args)
             if args.new_tokens is None:           # what `generate` asks when not told (the executor's default)
-                from kvplan.config import ExecutorConfig
+                from kvcore.config import ExecutorConfig
                 args.new_tokens = from_env(ExecutorConfig).default_max_new_tokens
             plan, prompt_tokens, refused = planview.make(args.strategy, mcfg, args.ratio, args.kv_tokens, args.tokens,
                                                           text, args.predict, args.new_tokens, say=ticker.say,

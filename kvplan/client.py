@@ -14,9 +14,9 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvplan.channels import client_channel
-from kvplan.config import addresses
-from kvplan.serving import channel_options
+from kvcore.channels import client_channel
+from kvcore.config import addresses
+from kvcore.serving import channel_options
 from protos import common_pb2, executor_pb2, executor_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from kvplan import keyfile
-from kvplan.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, HttpConfig, ModelConfig, PlannerConfig,
+from kvcore import keyfile
+from kvcore.config import (CachestoreConfig, ClusterConfig, ExecutorConfig, HttpConfig, ModelConfig, PlannerConfig,
                            from_env)
 from kvplan.members import (Member, free_port, is_alive, member_health, port_free, read_members, redis_config, spawn,
                             start, stop_all, wait_redis, wait_serving, write_members)

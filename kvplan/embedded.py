@@ -6,8 +6,8 @@ import asyncio
 import dataclasses
 import threading
 
-from kvplan.config import CachestoreConfig, ExecutorConfig, ModelConfig, PlannerConfig, SecurityConfig, from_env
-from kvplan import launch, serving
+from kvcore.config import CachestoreConfig, ExecutorConfig, ModelConfig, PlannerConfig, SecurityConfig, from_env
+from kvcore import serving
 
 
 class Embedded:
@@ -51,16 +51,18 @@ class Embedded:
 
     async def _start(self) -> None:
         # In-process everything: no Redis (unless asked for the queue), ephemeral ports, no metrics HTTP servers.
+        from cachestore.service import build_service as cachestore_service
         from executor.service import build_service as executor_service
+        from planner.service import build_service as planner_service
 
         local = dict(host="127.0.0.1", port=0, metrics_port=0)
         if self.external_planner:
             self.addresses["planner"] = self.external_planner
         else:
             pcfg = dataclasses.replace(from_env(PlannerConfig), redis_url="", **local)
-            await self._add("planner", launch.build("planner", pcfg), pcfg)
+            await self._add("planner", planner_service(pcfg), pcfg)
         ccfg = dataclasses.replace(from_env(CachestoreConfig), **local)
-        await self._add("cachestore", launch.build("cachestore", ccfg), ccfg)
+        await self._add("cachestore", cachestore_service(ccfg), ccfg)
         ecfg = dataclasses.replace(from_env(ExecutorConfig), redis_url=self.redis_url, planner_addr=self.planner_addr,
                                    cachestore_addr=self.addresses["cachestore"], **local)
         await self._add("executor", executor_service(ecfg, self.model_cfg), ecfg)

@@ -15,9 +15,9 @@ import itertools
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvplan.channels import aio_channel
-from kvplan.config import SecurityConfig, from_env
-from kvplan.serving import channel_options
+from kvcore.channels import aio_channel
+from kvcore.config import SecurityConfig, from_env
+from kvcore.serving import channel_options
 from protos import executor_pb2_grpc
 
 

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from kvplan import openai_api as api
-from kvplan.config import HttpConfig, ModelConfig, from_env
+from kvcore.config import HttpConfig, ModelConfig, from_env
 from kvplan.http_guard import Guard
 from kvplan.http_jobs import HttpJobs
 from kvplan.http_keys import metadata
@@ -124,7 +124,7 @@ def create_app(cfg: HttpConfig, model_name: str) -> FastAPI:
 def run(cfg: HttpConfig | None = None) -> int:
     """Serve until SIGTERM/SIGINT (uvicorn's graceful stop: in-flight requests get `grace_s`)."""
     import uvicorn
-    from kvplan.serving import configure_logging
+    from kvcore.serving import configure_logging
     cfg = cfg or from_env(HttpConfig)
     configure_logging(cfg.log_level.upper())
     app = create_app(cfg, cfg.model_name(from_env(ModelConfig)))

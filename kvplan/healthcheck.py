@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 
 
 class _Parser(argparse.ArgumentParser):

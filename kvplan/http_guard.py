@@ -30,7 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from starlette.routing import Match
 
 from kvplan.openai_errors import ApiError
-from kvplan.serving import SECONDS_BUCKETS
+from kvcore.serving import SECONDS_BUCKETS
 
 REQUESTS = Counter("kvplan_http_requests_total", "HTTP API requests, by route template and status",
                    ["route", "status"])

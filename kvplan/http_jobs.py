@@ -24,12 +24,12 @@ from executor.validation import check_size
 from kvcore.request import InvalidRequest
 from kvplan import openai_api as api
 from kvplan.attempts import AttemptItems, AttemptText, Diverged
-from kvplan.config import HttpConfig
+from kvcore.config import HttpConfig
 from kvplan.executor_pool import ExecutorPool
 from kvplan.http_errors import from_grpc, job_ended
 from kvplan.http_guard import report_status
 from kvplan.http_keys import metadata
-from kvplan.keyfile import printable
+from kvcore.keyfile import printable
 from kvplan.openai_errors import ApiError, bad
 from kvplan.openai_shapes import Shape
 from protos import executor_pb2 as pb

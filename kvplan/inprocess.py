@@ -41,7 +41,7 @@ class Pipeline:
     def client(self) -> Client:
         with self._lock:
             if self._client is None:
-                from kvplan.config import ModelConfig, from_env
+                from kvcore.config import ModelConfig, from_env
                 from kvplan.embedded import Embedded
                 from kvplan.ticker import Ticker
                 cfg = from_env(ModelConfig)

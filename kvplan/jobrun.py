@@ -11,7 +11,7 @@ import os
 import sys
 
 from kvcore.blocks import BLOCK_ROWS
-from kvplan.config import ClientConfig, ClusterConfig, ModelConfig, from_env
+from kvcore.config import ClientConfig, ClusterConfig, ModelConfig, from_env
 
 STRICT_EXIT = 3
 # request fields (the executor's checks name them) -> the flags that set them

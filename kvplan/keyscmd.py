@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvplan import keyfile
+from kvcore import keyfile
 
 
 def add_parser(sub) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 
 
 @dataclass(frozen=True)

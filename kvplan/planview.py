@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from kvplan.config import ModelConfig
-from kvplan.plan import CompressionPlan, LayerPlan
+from kvcore.config import ModelConfig
+from kvcore.plan import CompressionPlan, LayerPlan
 
 COLOURS = {"full": "#9e9e9e", "evicted": "#1f77b4", "codebook": "#ff7f0e", "merge": "#2ca02c", "quant": "#9467bd"}
 
@@ -96,7 +96,7 @@ def make(spec: str, mcfg: ModelConfig, ratio: float | None, kv_tokens: int | Non
 def _shape(mcfg: ModelConfig):
     """The model's shape from its config (no weights loaded) and its folder."""
     from transformers import AutoConfig
-    from kvplan import model
+    from kvcore import model
     from planner.request import ModelShape
     path = model.prepare(mcfg)
     c = AutoConfig.from_pretrained(path)

@@ -28,7 +28,7 @@ import grpc
 
 from kvplan.attempts import AttemptText
 from kvplan.client import REPLAY, executor_addresses, follow, request
-from kvplan.serving import channel_options
+from kvcore.serving import channel_options
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 
@@ -134,11 +134,11 @@ class Client:
         """address: an executor's HOST:PORT, or several (comma-separated, or a list: a broken
         stream re-attaches on the others; default KVPLAN_EXECUTOR_ADDR, or 127.0.0.1:50052);
         api_key: sent as `authorization: Bearer <key>` (default KVPLAN_API_KEY); TLS as
-        KVPLAN_TLS_* say (`kvplan.channels`); reattach: how many times in a row a broken stream
+        KVPLAN_TLS_* say (`kvcore.channels`); reattach: how many times in a row a broken stream
         re-attaches to its job (with backoff) before the error is raised."""
         import dataclasses
-        from kvplan.channels import client_channel
-        from kvplan.config import ClientConfig, SecurityConfig, from_env
+        from kvcore.channels import client_channel
+        from kvcore.config import ClientConfig, SecurityConfig, from_env
         self.addresses = executor_addresses(address or from_env(ClientConfig).executor_addr)
         self.address = self.addresses[0]
         self.timeout_s, self.reattach = timeout_s, reattach

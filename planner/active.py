@@ -2,7 +2,7 @@
 so planner replicas agree. Definitions are stored as canonical JSON text, keyed by name."""
 from __future__ import annotations
 
-from kvplan.redis_pool import bounded
+from kvcore.redis_pool import bounded
 
 ACTIVE_KEY = "kvplan:planner:active_strategy"
 DEFINITIONS_KEY = "kvplan:planner:definitions"     # hash: name -> definition JSON

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvcore import plan_cost
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 from planner.request import PlanInput
 
 RATIOS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.2, 0.15, 0.1, 0.07, 0.05)     # tried largest first

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvcore.blocks import BLOCK_ROWS, Layout, quant_shape
 from kvcore.cost import dense_row_bytes
-from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
+from kvcore.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
 from kvcore.statistics import POOL, SINKS, SPAN

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcore import offload_budget
-from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
+from kvcore.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, full_plan
 from planner import xkv
 from planner.allocation import ALLOCATIONS, uniform_keep_counts
 from kvcore.blocks import BLOCK_ROWS, Layout, quant_shape

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import jsonschema
 import yaml
 
-from kvplan.plan import KVCrush, Quant
+from kvcore.plan import KVCrush, Quant
 from kvcore.request import InvalidRequest
 
 SCHEMA: dict[str, Any] = json.loads(Path(__file__).with_name("strategy.schema.json").read_text())
@@ -80,7 +80,7 @@ class MergePart:
 
 @dataclass(frozen=True)
 class OffloadPart:
-    """SpeCache (kvplan.plan.OffloadPlan): the executor fits group_size, recent_window and top_k
+    """SpeCache (kvcore.plan.OffloadPlan): the executor fits group_size, recent_window and top_k
     (these are the largest it may use) to the job's reserve ratio; low_bits stays."""
     low_bits: int = 2
     group_size: int = 64

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Callable
 
 from kvcore.blocks import BLOCK_ROWS
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 from planner.budget import context_tokens
 from kvcore.request import InvalidRequest
 from planner.request import PlanInput

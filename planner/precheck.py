@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from kvcore.statistics import BITS, FRACTIONS, Losses, ProbeStats
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 from planner.request import ModelShape, PlanInput
 
 PREFIX_TOKENS = 128            # the prompt's tokens a precheck probes (a mini-prefill: well under a second)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvcore import scoring
-from kvplan.plan import CompressionPlan, Eviction
+from kvcore.plan import CompressionPlan, Eviction
 from kvcore.statistics import ProbeStats
 from kvcore.request import InvalidRequest
 from planner.request import ModelShape

@@ -76,7 +76,7 @@ class Prober:
     def model(self):
         with self._lock:
             if self.lm is None:
-                from kvplan.model import load
+                from kvcore.model import load
                 self.lm = load(self.model_cfg)
             return self.lm
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvplan.redis_pool import bounded
+from kvcore.redis_pool import bounded
 
 PREFIX = "kvplan:planner:profile:"
 

@@ -21,10 +21,10 @@ import uuid
 import grpc
 from prometheus_client import Counter
 
-from kvplan.auth import Denied, acting_tenant
-from kvplan.keyfile import printable
-from kvplan.config import ModelConfig, PlannerConfig, from_env
-from kvplan.serving import Service
+from kvcore.auth import Denied, acting_tenant
+from kvcore.keyfile import printable
+from kvcore.config import ModelConfig, PlannerConfig, from_env
+from kvcore.serving import Service
 from planner import adaptive, fit, precheck, predict, profiles, request
 from kvcore import defaults, statistics
 from kvcore.request import InvalidRequest, adaptive_of, validate_budget

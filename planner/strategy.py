@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 from planner.definition import Definition
 from planner.request import PlanInput
 

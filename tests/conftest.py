@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # Services started by tests (in process and as subprocesses) run without API keys unless a test
-# turns authentication on itself (tests/kvplan/test_auth.py); production defaults to on.
+# turns authentication on itself (tests/kvcore/test_auth.py); production defaults to on.
 os.environ.setdefault("KVPLAN_AUTH", "off")
 # Tests never meet the developer's own `kvplan up` cluster (~/.cache/kvplan/cluster): an in-process
 # CLI call would take its admin key into KVPLAN_API_KEY, which later tests' services do not know.
@@ -19,12 +19,12 @@ os.environ["KVPLAN_STATE_DIR"] = tempfile.mkdtemp(prefix="kvplan-test-state-")
 # The suite's tolerances and exact replays (greedy tokens against transformers' own, byte counts) are
 # fp32's: the model computes in fp32, in process and in the services tests start, unless the runner
 # names a dtype (KVPLAN_COMPUTE_DTYPE=bfloat16 runs the suite in bf16). Production's default is `auto`
-# (bf16 on CPUs with AVX512-BF16 or AMX: kvplan.host); tests/kvplan/test_model.py runs bf16 itself.
+# (bf16 on CPUs with AVX512-BF16 or AMX: kvcore.host); tests/kvcore/test_model.py runs bf16 itself.
 os.environ.setdefault("KVPLAN_COMPUTE_DTYPE", "float32")
 
 from cachestore.process import free_port
 from kvplan.members import wait_redis
-from kvplan.config import ModelConfig, from_env
+from kvcore.config import ModelConfig, from_env
 
 
 @pytest.fixture(scope="session")
@@ -65,13 +65,13 @@ def model_cfg() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def real_model_dir(model_cfg) -> Path:
-    from kvplan import model
+    from kvcore import model
     return model.prepare(model_cfg)
 
 
 @pytest.fixture(scope="session")
 def real_model(model_cfg):
-    from kvplan import model
+    from kvcore import model
     return model.load(model_cfg)
 
 
@@ -95,7 +95,7 @@ def tiny_model_dir(tmp_path_factory, real_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir, model_cfg):
     import dataclasses
-    from kvplan import model
+    from kvcore import model
     return model.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir)))
 
 

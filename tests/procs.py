@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from cachestore.process import free_port
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 
 ROOT = Path(__file__).resolve().parents[1]
 

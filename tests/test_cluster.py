@@ -21,7 +21,7 @@ import pytest
 
 from kvcore import cost
 from kvplan.client import ExecutorClient, fold, request, Stream
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 from protos import executor_pb2 as pb
 from cachestore.process import free_port
 
@@ -176,7 +176,7 @@ def _the_key_works(address: str, key: str) -> None:
 def _the_http_api_answers(address: str, state: Path) -> None:
     """`kvplan up`'s HTTP API, with the cluster's admin key and without a key."""
     import openai
-    from kvplan.keyfile import ADMIN_KEY_FILE
+    from kvcore.keyfile import ADMIN_KEY_FILE
     key = (state / ADMIN_KEY_FILE).read_text().strip()
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key=key, max_retries=0, timeout=300)
     got = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
@@ -190,7 +190,7 @@ def _the_http_api_answers(address: str, state: Path) -> None:
 def test_a_killed_executor_comes_back_with_kvplan_up_and_its_stream_goes_on(tmp_path, real_model_dir, monkeypatch):
     import threading
     import openai
-    from kvplan.keyfile import ADMIN_KEY_FILE
+    from kvcore.keyfile import ADMIN_KEY_FILE
     env = _up_env(tmp_path, KVPLAN_CLAIM_IDLE_MS="3000", KVPLAN_HEARTBEAT_MS="500")
     assert _kvplan("up", env=env).returncode == 0
     try:

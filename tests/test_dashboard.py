@@ -22,7 +22,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "kvplan.json"
 SCRAPE = ROOT / "deploy" / "prometheus.yml"
 METRIC = re.compile(r"\bkvplan_[a-z0-9_]+")
 # the modules that define every service's metrics
-MODULES = ("kvplan.serving", "kvplan.gateway", "planner.service", "cachestore.service", "executor.metrics")
+MODULES = ("kvcore.serving", "kvplan.gateway", "planner.service", "cachestore.service", "executor.metrics")
 # The executor engine's metrics (issue 21), checked against the registry as soon as
 # executor.metrics exists; until then these names are what the engine promises.
 ENGINE = {"kvplan_executor_running_sequences", "kvplan_executor_waiting_sequences", "kvplan_executor_queue_depth",

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kvplan import config as kc
+from kvcore import config as kc
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

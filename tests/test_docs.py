@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplan import config as kc
+from kvcore import config as kc
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

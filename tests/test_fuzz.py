@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplan.embedded import Embedded
-from kvplan.serving import channel_options, check_health
+from kvcore.serving import channel_options, check_health
 from protos import cachestore_pb2, executor_pb2, planner_pb2
 
 SERVICES = {"planner": planner_pb2, "executor": executor_pb2, "cachestore": cachestore_pb2}

@@ -1,10 +1,16 @@
 """The import graph of kvplan's own packages, module-level and function-level imports alike
-(read with `ast`, nothing imported): no cycle; neither of `planner` and `executor` imports the
-other — what both need lives in `kvcore`; and every arrow runs down: nothing under the ground
-floor (`kvcore`, `planner`, `executor`, `cachestore`, `kernels`, and `kvplan`'s serving plumbing
-— config, model, auth, keys, channels, plan, serving) imports the front door (`FRONT`: the SDK
-facade `kvplan/__init__.py` and what it, the CLI and the HTTP API are made of, which import the
-services).
+(read with `ast`, nothing imported), and its floors (`LAYERS`), each importing only from its own
+floor and the ones below:
+
+    ground     kvcore (config, model, plan, cost model, serving plumbing, auth, keys, channels),
+               kernels, protos — what every service needs; imports nothing above it
+    services   planner, executor, cachestore — each imports the ground and itself only; the
+               executor, the cachestore's client, also its client side (`cachestore.client`,
+               `cachestore.handle`); planner and executor never import each other
+    front      kvplan — the CLI, SDK, gateway, HTTP API, `kvplan up`; imports the services
+    tools      bench — may import anything (`kvplan bench serve` runs `bench.serve` from a checkout)
+
+and no cycle anywhere, bench included.
 
 An edge goes to the module an import names: `from a.b import c` is a.b.c when that is a module,
 and a.b too, whose `__init__` runs first — a module of its own, reached whenever an import names
@@ -16,16 +22,19 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("planner", "executor", "cachestore", "kernels", "kvplan", "kvcore")
+GROUND = ("kvcore", "kernels", "protos")
+SERVICES = ("planner", "executor", "cachestore")
+FRONT = ("kvplan",)
+TOOLS = ("bench",)
+PACKAGES = (*SERVICES, "kernels", "kvplan", "kvcore", "protos", "bench")
 APART = ("planner", "executor")          # neither imports the other
-# The front door: `import kvplan` (the SDK facade), the SDK, the CLI, `kvplan up`, the embedded
-# default and the HTTP API. They import the services; a service (or what it imports) never imports them.
-FRONT = ("kvplan", *(f"kvplan.{m}" for m in (
-    "sdk", "inprocess", "embedded", "client", "attempts", "ticker", "progress", "cli", "jobrun", "demo", "planview",
-    "cluster", "members", "keyscmd", "gateway", "http_errors", "http_guard", "http_jobs", "http_keys",
-    "http_protocol",
-    "openai_api", "openai_errors", "openai_fields", "openai_shapes",
-    "executor_pool")))
+# what a module of each package may import besides its own package: the floors below it
+ALLOWED = {
+    **{pkg: GROUND for pkg in GROUND},
+    "planner": GROUND,
+    "cachestore": GROUND,
+    "executor": (*GROUND, "cachestore.client", "cachestore.handle"),   # the cachestore's client side
+}
 
 
 def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
@@ -117,9 +126,13 @@ def crossings(g: dict[str, set[str]], apart=APART) -> list[str]:
                   if top(m) in apart and top(t) in apart and top(m) != top(t))
 
 
-def upward(g: dict[str, set[str]], front=FRONT) -> list[str]:
-    """'a -> b' for every import of a front module `b` by a module `a` of the ground floor."""
-    return sorted(f"{m} -> {t}" for m, ts in g.items() for t in ts if m not in front and t in front)
+def breaches(g: dict[str, set[str]], allowed=ALLOWED) -> list[str]:
+    """'a -> b' for every import by a module of a package in `allowed` of a module outside its own
+    package and outside what `allowed` names for it (a package, or a module and its submodules)."""
+    top = lambda m: m.split(".")[0]                                           # noqa: E731
+    ok = lambda t, names: any(t == n or t.startswith(n + ".") for n in names)  # noqa: E731
+    return sorted(f"{m} -> {t}" for m, ts in g.items() if top(m) in allowed for t in ts
+                  if top(t) != top(m) and not ok(t, allowed[top(m)]))
 
 
 def test_no_import_cycles():
@@ -130,12 +143,23 @@ def test_planner_and_executor_never_import_each_other():
     assert crossings(graph(ROOT)) == []
 
 
-def test_nothing_under_the_ground_floor_imports_the_front():
-    """Before issue 34 `planner.service` and `cachestore.service` ran `from kvplan import auth`:
-    the facade, whose `kvplan.pipeline` starts the services."""
+def test_each_floor_imports_only_itself_and_the_floors_below():
+    """The ground (kvcore, kernels, protos) never imports a service, the front (kvplan) or bench;
+    a service imports only the ground, itself, and (the executor) the cachestore's client side.
+    Before issue 41 the services took config, plans, serving plumbing, auth… from the front door's
+    package (`kvplan/`), and `kvcore.plan_cost` took the plan dataclasses from there."""
     g = graph(ROOT)
-    assert set(FRONT) <= set(g), f"FRONT names modules that do not exist: {sorted(set(FRONT) - set(g))}"
-    assert upward(g) == []
+    assert {m.split(".")[0] for m in g} == set(PACKAGES), "a package of PACKAGES has no modules"
+    assert set(ALLOWED) | set(FRONT) | set(TOOLS) == set(PACKAGES)
+    assert breaches(g) == []
+
+
+def test_kvplan_is_the_front_only():
+    """Nothing but the tools imports the front: every module of kvcore, kernels, protos, planner,
+    executor and cachestore is importable without `kvplan` on the path."""
+    g = graph(ROOT)
+    assert sorted(f"{m} -> {t}" for m, ts in g.items() for t in ts
+                  if t.split(".")[0] in FRONT and m.split(".")[0] not in (*FRONT, *TOOLS)) == []
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -174,11 +198,22 @@ def test_the_checker_finds_an_arrow_up_through_a_package_or_a_function(tmp_path)
     root = _tree(tmp_path, {
         "kvplan/__init__.py": "def __getattr__(name):\n    from kvplan import sdk\n    return sdk\n",
         "kvplan/sdk.py": "import executor.service\n",                       # the front imports the services: down
-        "kvplan/config.py": "",
+        "kvcore/__init__.py": "",
+        "kvcore/config.py": "",
+        "kvcore/late.py": "def f():\n    from planner import fit\n",          # the ground, function level: up
+        "planner/__init__.py": "",
+        "planner/fit.py": "from kvcore.config import X\n",                  # a service on the ground: fine
+        "cachestore/__init__.py": "",
+        "cachestore/client.py": "",
+        "cachestore/store.py": "",
         "executor/__init__.py": "",
-        "executor/service.py": "from kvplan import config\n",             # through the facade's __init__: up
-        "executor/worker.py": "from kvplan.config import X\n",            # the ground floor alone: fine
-        "executor/late.py": "def f():\n    from kvplan.sdk import Client\n",   # function level: up
+        "executor/service.py": "from kvplan import sdk\n",                 # a service through the facade: up
+        "executor/worker.py": "from cachestore.client import C\n",           # the cachestore's client side: fine
+        "executor/late.py": "def f():\n    from cachestore.store import S\n",    # its server side: not
     })
-    g = graph(root, ("kvplan", "executor"))
-    assert upward(g, ("kvplan", "kvplan.sdk")) == ["executor.late -> kvplan.sdk", "executor.service -> kvplan"]
+    g = graph(root, ("kvplan", "kvcore", "planner", "executor", "cachestore"))
+    allowed = {"kvcore": ("kvcore",), "planner": ("kvcore",), "cachestore": ("kvcore",),
+               "executor": ("kvcore", "cachestore.client")}
+    assert breaches(g, allowed) == ["executor.late -> cachestore.store", "executor.service -> kvplan",
+                                    "executor.service -> kvplan.sdk", "kvcore.late -> planner",
+                                    "kvcore.late -> planner.fit"]

@@ -41,8 +41,8 @@ def _tour_commands() -> list[list[str]]:
 def test_the_shipped_document_is_long_enough_for_the_tours_budget():
     """At ~2,900 tokens the floor auto keeps (sinks, window, 128 new tokens) is far below 0.2."""
     from transformers import AutoTokenizer
-    from kvplan import model
-    from kvplan.config import ModelConfig, from_env
+    from kvcore import model
+    from kvcore.config import ModelConfig, from_env
     n = len(AutoTokenizer.from_pretrained(model.prepare(from_env(ModelConfig)))(DOC.read_text())["input_ids"])
     assert 2500 <= n <= 3500, n
     assert DOC.read_text().rstrip().endswith("The report was signed by Helena Okafor, Chair of the Board.")
@@ -100,7 +100,7 @@ def test_the_tour_runs_as_written_against_kvplan_up(tour, monkeypatch):
             marked = [line.split()[0] for line in got.stdout.splitlines() if "[cannot compress this model" in line]
             assert marked == ["minicache"], got.stdout
 
-    from kvplan.keyfile import ADMIN_KEY_FILE
+    from kvcore.keyfile import ADMIN_KEY_FILE
     key = (cwd / "state" / ADMIN_KEY_FILE).read_text().strip()
     port, executor = env["KVPLAN_HTTP_PORT"], f"127.0.0.1:{env['KVPLAN_EXECUTOR_PORT']}"
     page = ROOT / "docs" / "http-api.md"

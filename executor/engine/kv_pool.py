@@ -36,10 +36,6 @@ class KVPool:
         return self.layout.page_bytes
 
     @property
-    def arena_bytes(self) -> int:
-        return self.arena.numel()
-
-    @property
     def capacity(self) -> int:
         """Bytes of pages the pool can always hand out, whatever their forms: all of them."""
         return self.pages * self.layout.page_bytes

@@ -27,8 +27,8 @@ from executor.engine.shrink import Shrink, dense_plan
 from executor.prompt import Prompt
 from kvcore import offload_budget, plan_cost
 from kvcore.statistics import LayerStatistics
-from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan, full_plan
+from kvcore.model import LoadedModel
+from kvcore.plan import CompressionPlan, full_plan
 
 log = logging.getLogger("kvplan.executor.engine")
 

@@ -38,8 +38,8 @@ from kernels.paged_decode import paged_decode
 from kvcore import scoring
 from kvcore.attention import causal_attention
 from kvcore.blocks import Layout
-from kvplan.model import LoadedModel
-from kvplan.plan import CompressionPlan
+from kvcore.model import LoadedModel
+from kvcore.plan import CompressionPlan
 
 POOL_SHARE = 0.5          # of the memory available, the most a pool takes when the budget is larger
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from executor.engine.block_tables import BlockTables
 from kvcore.blocks import ceil_div
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from tokenizers.decoders import DecodeStream
 from executor.engine.seq_cache import SeqCache
 from executor.engine.sampler import generator
 from executor.prompt import Prompt
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 
 
 class Phase(enum.Enum):

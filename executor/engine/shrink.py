@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kernels.rope_reconstruct import unrotate_rope
 from kvcore import scoring
 from kvcore.attention import causal_attention
 from kvcore.cost import POS_BYTES
-from kvplan.plan import LayerPlan
+from kvcore.plan import LayerPlan
 
 CANDIDATES = 2    # the codebook may keep at most this many times the tokens of the dense budget
 MODES = ((), ("v",), ("k",), ("k", "v"))   # which parts a layer may code: it takes the least predicted error

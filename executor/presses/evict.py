@@ -15,7 +15,7 @@ from executor.presses import kvcrush
 from executor.presses.context import PressContext
 from kernels.paged_decode import CodedRows
 from kvcore import scoring
-from kvplan.plan import Eviction, LayerPlan
+from kvcore.plan import Eviction, LayerPlan
 
 KEEP_ALL = Eviction(keep_tokens=1 << 62, window=0, scorer="streaming_llm", gqa_mode="mean")
 

@@ -50,7 +50,7 @@ import torch
 
 from kvcore import scoring
 from kernels import hamming_distance, pack_bits
-from kvplan.plan import Eviction, KVCrush
+from kvcore.plan import Eviction, KVCrush
 
 SEED = 0
 BIT_KEEP_FRACTION = 0.5

@@ -23,7 +23,7 @@ import torch
 from executor.presses.context import PressContext, UnsupportedPlan
 from kernels import slerp_merge
 from kernels.paged_decode import ALL_HEADS, CodedRows
-from kvplan.plan import LayerPlan
+from kvcore.plan import LayerPlan
 
 RETENTION_RULES = ("distinct", "similar")
 RULE = "distinct"

@@ -20,7 +20,7 @@ import torch
 from executor.presses.context import PressContext, UnsupportedPlan
 from kernels import lowbit_scores
 from kernels.paged_decode import ALL_HEADS, CodedRows
-from kvplan.plan import LayerPlan, OffloadPlan
+from kvcore.plan import LayerPlan, OffloadPlan
 
 KEY_GROUP = 32          # the low-bit copy's key group (rows a channel's scale spans)
 

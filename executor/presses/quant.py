@@ -8,7 +8,7 @@ import torch
 
 from executor.presses import evict
 from executor.presses.context import PressContext, UnsupportedPlan
-from kvplan.plan import LayerPlan
+from kvcore.plan import LayerPlan
 
 
 def press(ctx: PressContext, seq, layer: int, lp: LayerPlan, q, k, v, later_k=None, later_v=None) -> None:

@@ -9,8 +9,8 @@ from prometheus_client import REGISTRY
 
 from cachestore.service import build_service
 from cachestore.tensor_codec import decode, encode
-from kvplan.config import CachestoreConfig
-from kvplan.serving import channel_options, shutdown, start
+from kvcore.config import CachestoreConfig
+from kvcore.serving import channel_options, shutdown, start
 from protos import cachestore_pb2 as pb
 from protos import cachestore_pb2_grpc
 

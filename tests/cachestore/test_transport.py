@@ -15,8 +15,8 @@ from cachestore.client import CachestoreClient
 from cachestore.handle import LocalHandle, StoreUnavailable
 from cachestore.segment import leftovers
 from cachestore.service import build_service
-from kvplan.config import CachestoreConfig
-from kvplan.serving import shutdown, start
+from kvcore.config import CachestoreConfig
+from kvcore.serving import shutdown, start
 from protos import cachestore_pb2 as pb
 from cachestore.process import spawn
 

@@ -10,7 +10,7 @@ from executor import prompt as prompts
 from kvcore import plan_cost
 from kvplan.demo import DEMO_CONTEXT, DEMO_QUESTION
 from kvplan.embedded import Embedded
-from kvplan.plan import full_plan
+from kvcore.plan import full_plan
 
 
 def demo_full_bytes(lm, new_tokens: int) -> int:

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvplan.client import ExecutorClient, request
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 from protos import executor_pb2 as pb
 from tests.executor.stack import embedded_with
 

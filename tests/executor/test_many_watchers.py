@@ -14,7 +14,7 @@ import redis
 
 from kvplan.client import request
 from kvplan.embedded import Embedded
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 from protos import executor_pb2 as pb
 from protos import executor_pb2_grpc
 

@@ -6,8 +6,8 @@ import pytest
 
 from executor import validation
 from executor.planner_client import PlannerClient
-from kvplan import serving
-from kvplan.config import PlannerConfig, from_env
+from kvcore import serving
+from kvcore.config import PlannerConfig, from_env
 from kvcore.request import InvalidRequest
 from planner.service import build_service
 

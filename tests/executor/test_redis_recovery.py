@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from kvplan.client import ExecutorClient, request
-from kvplan.serving import check_health
+from kvcore.serving import check_health
 from protos import executor_pb2 as pb
 from tests.procs import RedisProc, Service, base_env
 

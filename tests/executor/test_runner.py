@@ -4,7 +4,7 @@ import torch
 
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
-from kvplan.plan import full_plan
+from kvcore.plan import full_plan
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_shot(tiny_model):
@@ -46,7 +46,7 @@ def test_cancel_stops_decoding(tiny_model):
 
 
 def _evict_plan(m: int, scorer: str, codebook=None):
-    from kvplan.plan import CompressionPlan, Eviction, LayerPlan
+    from kvcore.plan import CompressionPlan, Eviction, LayerPlan
     ev = Eviction(keep_tokens=40, window=8, scorer=scorer, gqa_mode="repeat", span_tokens=4)
     return CompressionPlan("p", "test", tuple(LayerPlan(i, eviction=ev, codebook=codebook) for i in range(m)))
 
@@ -54,7 +54,7 @@ def _evict_plan(m: int, scorer: str, codebook=None):
 def test_a_shared_prefix_gives_the_same_run_as_a_full_prefill(tiny_model):
     """The benches prefill a prompt's leading chunks once and start each plan's run there: the
     tokens, the bytes and the kept tokens must be those of a run that prefilled everything."""
-    from kvplan.plan import Codebook
+    from kvcore.plan import Codebook
     runner = Runner(tiny_model, torch.float16, prefill_chunk=32)
     prompt = Prompt(list(range(1000, 1100)), list(range(2000, 2005)))
     prefix = runner.prefix_of(prompt, max_window=8)

@@ -1,7 +1,7 @@
 """The offload part fitted to a job's budget (`kvcore.offload_budget`): the order it prefers, the
 floors it keeps, the bytes it counts (those of `kvcore.cost`)."""
 from kvcore import offload_budget
-from kvplan.plan import OffloadPlan
+from kvcore.plan import OffloadPlan
 
 
 def test_budget_fit_prefers_wider_prefetch_then_window():

@@ -11,7 +11,7 @@ from executor.engine import KVBudget, LLMEngine, Sampling
 from executor.prompt import Prompt
 from kvcore import plan_cost
 from kvcore.blocks import BLOCK_ROWS
-from kvplan.plan import CompressionPlan
+from kvcore.plan import CompressionPlan
 from tests.executor.engine.test_llm_engine import _plans     # a plan of every layer kind
 
 EXACT = {"full", "snapkv-mean", "h2o", "quant"}           # bytes fixed by the plan, not by the data

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvplan.config import HttpConfig
+from kvcore.config import HttpConfig
 
 
 @pytest.fixture(scope="session")

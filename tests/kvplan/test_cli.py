@@ -50,8 +50,8 @@ MINE = "name: mine\ndescription: snapkv, pool 5\neviction: {scorer: snapkv, pool
 @pytest.fixture
 def planner_up(monkeypatch, tmp_path):
     """A planner in a background event loop; KVPLAN_PLANNER_ADDR points at it."""
-    from kvplan import serving
-    from kvplan.config import PlannerConfig, from_env
+    from kvcore import serving
+    from kvcore.config import PlannerConfig, from_env
     from planner.service import build_service
 
     _no_cluster(monkeypatch, tmp_path)

@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
-from kvplan.auth import Gate
+from kvcore.auth import Gate
 from kvplan.http_guard import DRAIN_S
-from kvplan.keyfile import KeyRing, add_key
+from kvcore.keyfile import KeyRing, add_key
 from tests.kvplan.conftest import http_gateway
 from tests.kvplan.fake_executor import FakeExecutor, events, result
 

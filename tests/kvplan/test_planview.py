@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvplan import planview
-from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant
+from kvcore.plan import CompressionPlan, Eviction, LayerPlan, Quant
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 

@@ -5,7 +5,7 @@ its strategy cannot hold, refused with the ratio that would fit, and after auto'
 with no text streamed first; stop sequences end the text);
 over a scripted executor: a broken stream re-attaches to its job and a re-run's text is yielded
 once, the API key travels as metadata, a refused key is the SDK's AuthenticationError (a real
-executor's refusal: tests/kvplan/test_auth.py), an address that does not answer says so."""
+executor's refusal: tests/kvcore/test_auth.py), an address that does not answer says so."""
 from __future__ import annotations
 
 import re

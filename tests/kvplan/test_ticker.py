@@ -77,7 +77,7 @@ def test_up_says_which_service_it_waits_for_and_what_its_log_says(monkeypatch, t
         return "SERVING" if asked[m.name] > 1 else "NOT_SERVING"
     monkeypatch.setattr(processes, "spawn", spawn)
     monkeypatch.setattr(processes, "member_health", health)
-    from kvplan.config import ClusterConfig, ModelConfig, from_env
+    from kvcore.config import ClusterConfig, ModelConfig, from_env
     try:
         members = cluster.up(from_env(ClusterConfig), from_env(ModelConfig))
         out, err = capsys.readouterr()

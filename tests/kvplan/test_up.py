@@ -17,8 +17,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvplan import cli, cluster, keyfile, members
-from kvplan.config import ConfigError
+from kvplan import cli, cluster, members
+from kvcore import keyfile
+from kvcore.config import ConfigError
 from cachestore.process import free_port
 
 
@@ -86,7 +87,7 @@ def test_an_unhealthy_cluster_is_an_error_not_a_run_in_process(state, capsys):
 def test_a_cluster_whose_processes_are_all_gone_is_no_cluster(state):
     (state / "cluster.json").write_text(json.dumps({"members": [
         {"name": "executor", "pid": 2**22 + 17, "address": f"127.0.0.1:{free_port()}"}]}))
-    from kvplan.config import ClusterConfig, ModelConfig, from_env
+    from kvcore.config import ClusterConfig, ModelConfig, from_env
     assert cluster.running_executor(from_env(ClusterConfig), from_env(ModelConfig)) is None
 
 

@@ -3,7 +3,7 @@ the layers (codebook layer lists, merged pairs, quant), and the predicted ratios
 import numpy as np
 import pytest
 
-from kvplan.plan import Merge
+from kvcore.plan import Merge
 from planner import xkv
 from planner.allocation import uniform_keep_counts
 from kvcore.blocks import BLOCK_ROWS

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvplan.plan import KVCrush, Quant
+from kvcore.plan import KVCrush, Quant
 from planner.definition import CodebookPart, DefinitionError, EvictionPart, MergePart, loads
 from planner.strategies import PRESETS
 

@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from kvplan import serving
-from kvplan.config import PlannerConfig, from_env
+from kvcore import serving
+from kvcore.config import PlannerConfig, from_env
 from planner.active import DEFINITIONS_KEY, ACTIVE_KEY
 from planner.probe import Prober
 from planner.service import build_service

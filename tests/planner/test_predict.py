@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant
+from kvcore.plan import CompressionPlan, Eviction, LayerPlan, Quant
 from planner.predict import annotate, copy_retained_attention, retained_attention
 from kvcore.statistics import ProbeStats
 

@@ -156,7 +156,7 @@ def _random_model(arch: str):
     projections) or Qwen3 (RMS norms on each head's queries and keys before RoPE)."""
     from pathlib import Path
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from kvplan.model import LoadedModel
+    from kvcore.model import LoadedModel
     torch.manual_seed(5)
     config, model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     cfg = config(vocab_size=2000, hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,

@@ -5,9 +5,9 @@ import dataclasses
 import grpc
 import pytest
 
-from kvplan import serving
-from kvplan.config import PlannerConfig, from_env
-from kvplan.plan import CompressionPlan
+from kvcore import serving
+from kvcore.config import PlannerConfig, from_env
+from kvcore.plan import CompressionPlan
 from planner import predict, strategies
 from planner.service import build_service
 from protos import common_pb2, planner_pb2, planner_pb2_grpc

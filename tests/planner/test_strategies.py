@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvplan.plan import Codebook, CompressionPlan
+from kvcore.plan import Codebook, CompressionPlan
 from planner.allocation import pyramid_keep_counts
 from planner.request import ModelShape, PlanInput
 from planner.strategies import PLANNERS, PRESETS, STRATEGIES, Strategy, build, parse

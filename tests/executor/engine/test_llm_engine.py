@@ -12,7 +12,7 @@ from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling, Status
 from kvcore.statistics import LayerStatistics
 from executor.prompt import Prompt
 from executor.runner import Runner
-from kvplan.plan import (Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant,
+from kvcore.plan import (Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant,
                          full_plan)
 
 REPEAT = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat", span_tokens=4, sink_tokens=2)

@@ -10,7 +10,7 @@ from executor.engine import KVBudget, LLMEngine, Sampling, model_runner
 from executor.prompt import Prompt
 from executor.engine.sequence import Phase
 from executor.runner import Runner
-from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
+from kvcore.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 
 REPEAT = Eviction(keep_tokens=20, window=8, scorer="snapkv", gqa_mode="repeat", span_tokens=4, sink_tokens=2)
 MEAN = Eviction(keep_tokens=40, window=8, scorer="snapkv", gqa_mode="mean")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from executor.engine import KVBudget, LLMEngine, Sampling
 from executor.prompt import Prompt
 from executor.runner import Runner
-from kvplan.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant, full_plan
+from kvcore.plan import Codebook, CompressionPlan, Eviction, LayerPlan, Merge, OffloadPlan, Quant, full_plan
 
 SCORERS = ("snapkv", "h2o", "streaming_llm")
 

@@ -7,7 +7,7 @@ import torch
 from executor.engine import Sampling
 from executor.prompt import Prompt
 from executor.runner import Runner
-from kvplan.plan import full_plan
+from kvcore.plan import full_plan
 
 PROMPT = Prompt(list(range(300, 340)), [])
 

@@ -10,7 +10,7 @@ import torch
 
 from executor.engine import KVBudget, LLMEngine, Sampling, Status
 from kvcore.statistics import LayerStatistics
-from kvplan.plan import full_plan
+from kvcore.plan import full_plan
 from tests.executor.engine.test_llm_engine import _jobs
 
 NEW, AT = 14, 5          # tokens generated, and the shrink after this many

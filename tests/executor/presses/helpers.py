@@ -6,7 +6,7 @@ import torch
 
 from executor.prompt import Prompt
 from executor.runner import Runner
-from kvplan.plan import CompressionPlan, LayerPlan, full_plan
+from kvcore.plan import CompressionPlan, LayerPlan, full_plan
 
 CONTEXT = list(range(1000, 1090))          # 90 context tokens
 QUESTION = list(range(2000, 2006))

@@ -15,7 +15,7 @@ from executor.runner import Runner, Sampling
 from kernels import apply_rope
 from kernels.paged_decode import coded_fields
 from kvcore.blocks import Layout
-from kvplan.plan import Codebook, Eviction, LayerPlan
+from kvcore.plan import Codebook, Eviction, LayerPlan
 from tests.executor.presses.helpers import CONTEXT, QUESTION, dense_kv, plan_of, prefill, streams
 
 

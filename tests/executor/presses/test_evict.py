@@ -8,7 +8,7 @@ import torch
 
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
-from kvplan.plan import Eviction, full_plan
+from kvcore.plan import Eviction, full_plan
 from tests.executor.presses.helpers import (CONTEXT, QUESTION, decode_attend, dense_kv, plan_of, prefill, seen_by,
                                             streams)
 

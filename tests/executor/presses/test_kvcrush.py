@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from executor.presses import kvcrush
-from kvplan.plan import CompressionPlan, Eviction, KVCrush, LayerPlan
+from kvcore.plan import CompressionPlan, Eviction, KVCrush, LayerPlan
 
 # The hand-made layer: T = 11 tokens, 1 sink, window 1 -> candidate span C = tokens 1..9 (M = 9,
 # local index i = token i + 1). Each query head's top ⌊9/2⌋ = 4 of C (value 1.0 vs 0.1):

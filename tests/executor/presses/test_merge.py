@@ -13,7 +13,7 @@ from executor.presses.context import UnsupportedPlan
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
 from kernels import slerp_merge
-from kvplan.plan import CompressionPlan, Eviction, LayerPlan, Merge, full_plan
+from kvcore.plan import CompressionPlan, Eviction, LayerPlan, Merge, full_plan
 from tests.executor.presses.helpers import CONTEXT, QUESTION, dense_kv, prefill, streams
 
 

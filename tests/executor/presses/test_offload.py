@@ -15,7 +15,7 @@ from executor.presses.context import UnsupportedPlan
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
 from kvcore import offload_budget
-from kvplan.plan import OffloadPlan, full_plan
+from kvcore.plan import OffloadPlan, full_plan
 from tests.executor.presses.helpers import streams
 
 PROMPT = Prompt(list(range(100, 171)), [])          # 71 tokens

@@ -11,7 +11,7 @@ from executor.presses.context import UnsupportedPlan
 from executor.prompt import Prompt
 from executor.runner import Runner, Sampling
 from executor.engine.sequence import Phase
-from kvplan.plan import Codebook, Eviction, LayerPlan, Quant
+from kvcore.plan import Codebook, Eviction, LayerPlan, Quant
 from kvcore.blocks import Layout
 from tests.executor.presses.helpers import CONTEXT, QUESTION, decode_attend, dense_kv, plan_of, prefill, streams
 
@@ -87,7 +87,7 @@ def test_eight_bit_attention_is_close_to_dense_attention(tiny_model):
 
 
 def test_eight_bit_quant_decodes_like_the_full_cache(tiny_model):
-    from kvplan.plan import full_plan
+    from kvcore.plan import full_plan
     prompt = Prompt(CONTEXT, QUESTION)
     full = Runner(tiny_model, torch.float16).run(prompt, full_plan(tiny_model.num_layers, "f"), Sampling(8))
     plan = plan_of(tiny_model.num_layers, quant=Quant(bits=8, group_size=32, residual=0))

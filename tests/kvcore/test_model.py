@@ -1,5 +1,5 @@
 """Model loading in the compute dtype and the engine over it in bf16 — the dtype `auto` picks on a CPU
-with AVX512-BF16 or AMX (kvplan.host) — with the real model: weights bf16 and packed, the KV pool
+with AVX512-BF16 or AMX (kvcore.host) — with the real model: weights bf16 and packed, the KV pool
 still fp16, and the answers right (greedy bf16 tokens need not equal fp32's; the facts must be there),
 uncompressed and under auto's compression at 0.5 (at 0.2 this 250-token prompt loses the facts in
 fp32 and in bf16 alike: that is the plan's doing, not the dtype's)."""
@@ -11,8 +11,8 @@ import torch
 from executor import prompt as prompts
 from executor.engine import Sampling
 from executor.runner import Runner
-from kvplan import model as models
-from kvplan.packed_linear import PackedLinear
+from kvcore import model as models
+from kvcore.packed_linear import PackedLinear
 from planner.probe import Prober
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES

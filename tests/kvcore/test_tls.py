@@ -16,9 +16,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvplan import keyfile, serving
-from kvplan.channels import client_channel
-from kvplan.config import PlannerConfig, SecurityConfig, from_env
+from kvcore import keyfile, serving
+from kvcore.channels import client_channel
+from kvcore.config import PlannerConfig, SecurityConfig, from_env
 from planner.service import build_service
 from protos import planner_pb2, planner_pb2_grpc
 
@@ -118,13 +118,13 @@ async def test_mutual_tls_needs_a_client_certificate_of_the_ca(pki):
 
 
 def test_tls_settings_are_checked():
-    from kvplan.config import ConfigError
+    from kvcore.config import ConfigError
     with pytest.raises(ConfigError, match="go together"):
         SecurityConfig(tls_cert_file="a.pem")
     with pytest.raises(ConfigError, match="KVPLAN_TLS_CLIENT_AUTH needs"):
         SecurityConfig(tls_client_auth=True)
     with pytest.raises(ConfigError, match="KVPLAN_TLS_KEY_FILE=/nonexistent.key: No such file"):
-        from kvplan.channels import server_credentials
+        from kvcore.channels import server_credentials
         server_credentials(SecurityConfig(tls_cert_file="/nonexistent.pem", tls_key_file="/nonexistent.key"))
 
 

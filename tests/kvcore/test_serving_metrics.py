@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 
 from kvplan.client import ExecutorClient, fold, request, Stream
-from kvplan.serving import SECONDS_BUCKETS, _MetricsInterceptor
+from kvcore.serving import SECONDS_BUCKETS, _MetricsInterceptor
 from tests.kvplan.fake_executor import FakeExecutor, events, result
 
 

@@ -12,8 +12,9 @@ import threading
 import grpc
 import pytest
 
-from kvplan import cli, keyfile, serving
-from kvplan.config import (CachestoreConfig, ConfigError, ExecutorConfig, PlannerConfig, SecurityConfig, from_env)
+from kvplan import cli
+from kvcore import keyfile, serving
+from kvcore.config import (CachestoreConfig, ConfigError, ExecutorConfig, PlannerConfig, SecurityConfig, from_env)
 from protos import cachestore_pb2 as cpb
 from protos import cachestore_pb2_grpc, executor_pb2, executor_pb2_grpc, planner_pb2, planner_pb2_grpc
 from kvplan.client import request
@@ -101,7 +102,7 @@ class Services:
 
 
 def channel(addr: str, key: str = "") -> grpc.Channel:
-    from kvplan.channels import client_channel
+    from kvcore.channels import client_channel
     return client_channel(addr, sec=SecurityConfig(auth="on", api_key=key))
 
 

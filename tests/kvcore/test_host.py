@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from kvplan import host as hostmod
-from kvplan.config import ConfigError, ModelConfig, from_env
-from kvplan.host import Host, compute_dtype
+from kvcore import host as hostmod
+from kvcore.config import ConfigError, ModelConfig, from_env
+from kvcore.host import Host, compute_dtype
 
 
 def fake(monkeypatch, *flags: str) -> None:

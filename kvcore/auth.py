@@ -1,7 +1,7 @@
 """API keys, tenants and roles: the one server interceptor every kvplan service runs (`Gate`).
 
 A client sends `authorization: Bearer <key>` metadata. The keys file (`KVPLAN_AUTH_KEYS_FILE`,
-YAML or JSON, `kvplan.keyfile`) maps each key's SHA-256 to its tenant, role and weight; the keys
+YAML or JSON, `kvcore.keyfile`) maps each key's SHA-256 to its tenant, role and weight; the keys
 themselves are never stored.
 
 The gate answers UNAUTHENTICATED without a known key and PERMISSION_DENIED for an admin method
@@ -22,8 +22,8 @@ import grpc
 import redis.exceptions
 from google.protobuf.message import DecodeError
 
-from kvplan.allocator import give_back
-from kvplan.keyfile import Identity, KeyRing, check_tenant, printable
+from kvcore.allocator import give_back
+from kvcore.keyfile import Identity, KeyRing, check_tenant, printable
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 ADMIN_METHODS = frozenset({"/kvplan.v1.Planner/SetStrategy", "/kvplan.v1.Planner/DeleteStrategy"})

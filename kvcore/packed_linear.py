@@ -11,10 +11,10 @@ them faster than torch's default CPU path (MKL sgemm) for such few rows (docs/be
 the packed weight (the float one freed: no second copy); the LM head keeps its weight (tied to
 the embeddings) beside a packed copy. Results differ from MKL's in rounding only (~1e-4 in fp32).
 
-In bf16 (the compute dtype on hosts with AVX512-BF16 or AMX, `kvplan.host`) oneDNN runs its
+In bf16 (the compute dtype on hosts with AVX512-BF16 or AMX, `kvcore.host`) oneDNN runs its
 brgemm bf16 kernels (`brg_matmul:avx512_core_bf16`, or `avx512_core_amx` on AMX: bf16 products,
 fp32 accumulation, bf16 out), reading half the weight bytes of fp32; `ONEDNN_VERBOSE=1` names the
-kernel each call takes (tests/kvplan/test_packed_linear.py checks it)."""
+kernel each call takes (tests/kvcore/test_packed_linear.py checks it)."""
 from __future__ import annotations
 
 import torch

@@ -13,9 +13,9 @@ import grpc
 import psutil
 import pytest
 
-from kvplan.auth import TRIM_DELAY_S
-from kvplan.config import CachestoreConfig, ExecutorConfig, PlannerConfig
-from tests.kvplan.test_auth import Services, channel, keys  # noqa: F401  (the keys fixture)
+from kvcore.auth import TRIM_DELAY_S
+from kvcore.config import CachestoreConfig, ExecutorConfig, PlannerConfig
+from tests.kvcore.test_auth import Services, channel, keys  # noqa: F401  (the keys fixture)
 
 
 def _plan_bytes(n_tokens: int) -> bytes:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvplan.host import compute_dtype
+from kvcore.host import compute_dtype
 
 
 def _env(name: str, default: Any, help: str = "") -> Any:
@@ -89,11 +89,11 @@ class ModelConfig:
     device: str = _env("KVPLAN_DEVICE", "cpu", "cpu | cuda | cuda:N: the model and every tensor a job creates")
     packed_linear: bool = _env("KVPLAN_PACKED_LINEAR", True,
                                "CPU fp32 or bf16: the model's linears through oneDNN with weights packed once "
-                               "(kvplan.packed_linear): faster weight reads at decode (docs/benchmarks.md)")
+                               "(kvcore.packed_linear): faster weight reads at decode (docs/benchmarks.md)")
     cuda_graphs: bool = _env("KVPLAN_CUDA_GRAPHS", True,
                              "CUDA: decode steps replay captured graphs (executor.engine.cuda_graph); false: eager")
     hold_freed_memory: bool = _env("KVPLAN_HOLD_FREED_MEMORY", True,
-                                   "keep freed C-heap memory for reuse (kvplan.allocator): faster decode "
+                                   "keep freed C-heap memory for reuse (kvcore.allocator): faster decode "
                                    "attention over fp16 caches on CPU")
 
     def __post_init__(self):
@@ -109,7 +109,7 @@ class ModelConfig:
 
     @property
     def dtype(self) -> str:
-        """The compute dtype's name, `auto` resolved for this host and device (`kvplan.host`)."""
+        """The compute dtype's name, `auto` resolved for this host and device (`kvcore.host`)."""
         return compute_dtype(self.compute_dtype, self.device.partition(":")[0])
 
 
@@ -159,7 +159,7 @@ class ServiceConfig:
 
     def max_request_bytes(self, role: str) -> int:
         """The largest request a key of `role` may send, checked on the raw bytes before they are
-        decoded (`kvplan.auth.Gate`); never above `max_receive_bytes`."""
+        decoded (`kvcore.auth.Gate`); never above `max_receive_bytes`."""
         return self.max_receive_bytes
 
 

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvplan import allocator, packed_linear
-from kvplan.config import ModelConfig
+from kvcore import allocator, packed_linear
+from kvcore.config import ModelConfig
 
 log = logging.getLogger("kvplan.model")
 

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from kvplan import model as models
-from kvplan import packed_linear
-from kvplan.packed_linear import PackedLinear, pack
+from kvcore import model as models
+from kvcore import packed_linear
+from kvcore.packed_linear import PackedLinear, pack
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packed linear")
 
@@ -66,13 +66,13 @@ def test_a_bf16_model_is_packed_and_runs_on_the_bf16_units(tiny_model_dir, model
     import subprocess
     import sys
 
-    from kvplan.host import host
+    from kvcore.host import host
     packed = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), compute_dtype="bfloat16")).model
     assert packed.dtype == torch.bfloat16
     assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 7 + 1
     if not host().native_bf16:
         pytest.skip("no AVX512-BF16 or AMX here: oneDNN emulates bf16")
-    code = ("import torch; from kvplan.packed_linear import PackedLinear; "
+    code = ("import torch; from kvcore.packed_linear import PackedLinear; "
             "lin = PackedLinear(torch.nn.Linear(64, 96).bfloat16(), keep_weight=False); "
             "lin(torch.randn(8, 64).bfloat16())")
     log = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "1"},

@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from kvplan import allocator
+from kvcore import allocator
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")

@@ -1,4 +1,4 @@
-from kvplan.plan import Codebook, CompressionPlan, Eviction, KVCrush, LayerPlan, Merge, OffloadPlan, Quant, full_plan
+from kvcore.plan import Codebook, CompressionPlan, Eviction, KVCrush, LayerPlan, Merge, OffloadPlan, Quant, full_plan
 
 
 def test_plan_round_trips_through_the_proto():

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import grpc
 
-from kvplan.config import ConfigError, SecurityConfig, from_env
+from kvcore.config import ConfigError, SecurityConfig, from_env
 
 
 def _read(path: str, name: str) -> bytes:

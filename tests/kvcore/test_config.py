@@ -1,6 +1,6 @@
 import pytest
 
-from kvplan.config import (ALL_CONFIGS, CachestoreConfig, ConfigError, ExecutorConfig, ModelConfig, PlannerConfig,
+from kvcore.config import (ALL_CONFIGS, CachestoreConfig, ConfigError, ExecutorConfig, ModelConfig, PlannerConfig,
                            env_names, from_env)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from kvplan.config import ConfigError, SecurityConfig, from_env
+from kvcore.config import ConfigError, SecurityConfig, from_env
 
 ROLES = ("user", "admin")
 TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -1,6 +1,6 @@
 """Serving plumbing every kvplan service shares: grpc.aio server, health, reflection, metrics,
-raised message limits, graceful shutdown on SIGTERM; API keys and TLS (`kvplan.auth`,
-`kvplan.channels`)."""
+raised message limits, graceful shutdown on SIGTERM; API keys and TLS (`kvcore.auth`,
+`kvcore.channels`)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from kvplan import auth, channels, keyfile
-from kvplan.config import SecurityConfig, ServiceConfig, from_env
+from kvcore import auth, channels, keyfile
+from kvcore.config import SecurityConfig, ServiceConfig, from_env
 
 log = logging.getLogger("kvplan.serving")
 
