@@ -40,7 +40,9 @@ from transformers import AutoTokenizer
 
 from bench import load
 from bench.stack import Stack
-from bench.summary import jobs_budget, model_shape, summarize
+from bench.summary import full_job_bytes, jobs_budget, model_shape, summarize  # noqa: F401 (re-exported)
+
+_shape = model_shape      # the peers' export script (../shared/peers/vllm/export_jobs.py) imports these three from here
 from kvcore import model as models
 from kvcore.config import ModelConfig, from_env
 from planner.strategies import STRATEGIES
@@ -129,7 +131,7 @@ def main(argv=None) -> None:
 
 
 HEADER = ("| strategy | ratio | budget MiB | decode tok/s | × full | +mixed tok/s | × full | out tok/s | req/s | "
-          "TTFT p50/p99 s | TPOT p50/p99 s | ITL p99 s | e2e p99 s | peak KV / budget | most decoding | correct | measured |")
+          "TTFT p50/p99 s | TPOT p50/p99 s | ITL p99 s | e2e p99 s | peak KV / budget | most decoding | done | correct | measured |")
 
 
 def _row(r: dict, runs: list[dict]) -> str:
@@ -139,7 +141,8 @@ def _row(r: dict, runs: list[dict]) -> str:
             f"{x('decode_tps')} | {r['decode_mixed_tps']:.1f} | {x('decode_mixed_tps')} | {r['output_tps']:.2f} | "
             f"{r['requests_ps']:.3f} | {r['ttft'][0]:.1f}/{r['ttft'][2]:.1f} | {r['tpot'][0]:.2f}/{r['tpot'][2]:.2f} | "
             f"{r['itl'][2]:.2f} | {r['e2e'][2]:.0f} | {r['peak_kv_bytes'] / r['kv_budget_bytes']:.3f} | "
-            f"{r['most_decoding']:.0f} | {r['correct']}/{r['requests']} | {r['measured_ratio']:.3f} |")
+            f"{r['most_decoding']:.0f} | {r['done']}/{r['requests']} | {r['correct']}/{r['requests']} | "
+            f"{r['measured_ratio']:.3f} |")
 
 
 def _table(runs: list[dict]) -> str:
