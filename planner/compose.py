@@ -76,13 +76,20 @@ class Composed:
         # A codebook layer's pages (fields, entries, each rounded to whole pages) are not linear in its
         # kept rows: plan at the budget, then, while the coded layers overrun it, at a budget
         # scaled down by the overrun (a few rounds: held is nearly linear in the budget).
+        # XKV's shares are learned once, from the round whose plan is returned.
         scale, lay = 1.0, Layout(inp.model.head_dim)
+        r = max(context_ratio(inp, self.added_row_cost(inp), self.block(inp)), 1e-9)
+        pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}   # {upper: lower}
+        shares: list = []
+        rounds = dataclasses.replace(inp, learn=shares.append) if inp.learn is not None else inp
         for _ in range(8):
-            layers, held, b, pairs = self._layers(inp, scale, lay)
-            over = np.mean(held) / l / max(context_ratio(inp, self.added_row_cost(inp), self.block(inp)), 1e-9)
+            layers, held, b = self._layers(rounds, scale, lay, pairs)
+            over = np.mean(held) / l / r
             if not (d.codebook and b) or over <= 1 + 1e-9:
                 break
             scale /= over + 1e-3      # a hair under: an allocation with ties moves in steps
+        if shares:
+            inp.learn(shares[-1])
         offload = self._offload(inp)
         plain = [i for i, lp in enumerate(layers) if lp.kind == "full" and i not in pairs.values()] if offload.enabled else []
         met = holds(np.mean([x for i, x in enumerate(held) if i not in plain] or [0.0]) / l, inp,
@@ -100,12 +107,11 @@ class Composed:
             budget_met=bool(met), budget_floor_tokens=min(l, b.sinks + b.window) if b else l,
         )
 
-    def _layers(self, inp: PlanInput, scale: float, lay: Layout):
-        """-> (layer plans, held [m] token units, budgets, merged pairs {upper: lower}) with the
-        eviction budget scaled by `scale`."""
+    def _layers(self, inp: PlanInput, scale: float, lay: Layout, pairs: dict[int, int]):
+        """-> (layer plans, held [m] token units, budgets) with the eviction budget scaled by
+        `scale`; `pairs`: the merged layers {upper: lower}."""
         d, l, m = self.d, inp.prompt_tokens, inp.model.num_layers
         b = self.budgets(inp, scale) if d.eviction else None
-        pairs = _gated(merge_pairs(d.merge.start_layer, m), d.merge, inp) if d.merge else {}
         layers, held = [], []
         for i in range(m):
             if i in pairs or i in pairs.values():
@@ -118,7 +124,7 @@ class Composed:
             ev = self._eviction(int(b.keep[i]), b.sinks, b.window, l) if b else None
             layers.append(LayerPlan(layer=i, eviction=ev, codebook=cb, quant=None if cb else d.quant))
             held.append(_held(layers[-1], l, lay))
-        return layers, held, b, pairs
+        return layers, held, b
 
     def _offload(self, inp: PlanInput) -> OffloadPlan:
         """The plan's offload part, fitted to the budget after the prompt (`kvcore.offload_budget`;

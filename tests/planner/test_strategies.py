@@ -264,3 +264,14 @@ def test_specache_offloads_every_layer_within_the_budget(name, bits, ratio):
     roomy = plan(name, prompt=4096, ratio=0.6)
     assert (roomy.offload.top_k, roomy.offload.recent_window) == (64, 64)   # the preset's, when they fit
     assert plan(name, prompt=4096, ratio=1.0).offload.enabled is False       # a whole budget: full
+
+
+def test_a_codebook_plan_rescaled_in_rounds_learns_its_shares_once():
+    """spindlekv+xkv plans again at a smaller budget while its codebook pages overrun it: the
+    profile learns the shares of the plan it returns, once."""
+    learned = []
+    inp = PlanInput(job_id="j", strategy="spindlekv+xkv", prompt_tokens=4096, model=SHAPE, reserve_ratio=0.2,
+                    probe=lambda **kw: STATS, learn=learned.append)
+    p = STRATEGIES["spindlekv+xkv"].plan(inp, "p")
+    keep = np.array([lp.eviction.keep_tokens for lp in p.layers], dtype=np.float64)
+    assert len(learned) == 1 and learned[0] == pytest.approx(keep / keep.sum(), abs=1e-3)
