@@ -57,8 +57,8 @@ def fit(off: OffloadPlan, budget: float | None, prompt_tokens: int, new_tokens: 
     top_ks = sorted({off.top_k} | {k for k in TOP_KS if k < off.top_k}, reverse=True)
     options = [dataclasses.replace(off, value_group_size=gv, recent_window=r, top_k=k)
                for gv, r, k in itertools.product(VALUE_GROUPS, windows, top_ks)]
-    fits = [o for o in options if ratio(o, prompt_tokens, new_tokens, head_dim, itemsize) <= budget]
+    ratios = [ratio(o, prompt_tokens, new_tokens, head_dim, itemsize) for o in options]
+    fits = [o for o, x in zip(options, ratios) if x <= budget]
     if not fits:                        # the floor: the cheapest, and of those the first by the same order
-        least = min(ratio(o, prompt_tokens, new_tokens, head_dim, itemsize) for o in options)
-        fits = [o for o in options if ratio(o, prompt_tokens, new_tokens, head_dim, itemsize) == least]
+        fits = [o for o, x in zip(options, ratios) if x == min(ratios)]
     return max(fits, key=lambda o: (o.top_k, o.recent_window, o.value_group_size))
