@@ -404,10 +404,15 @@ class Worker:
         if seq.finish_reason == "failed":
             job.status.error = job.status.error or "the engine step running it failed"
             return await self._close(job, pb.FAILED)
-        run = run_result(seq)
-        outcome = job.outcome or PlanOutcome(seq.plan, False)      # ended at its first token, before its plan
-        result = job_result(run, seq, outcome, self.executor_id, self.engine.storage_dtype,
-                            job.status.submitted_at)
+        try:
+            run = run_result(seq)
+            outcome = job.outcome or PlanOutcome(seq.plan, False)      # ended at its first token, before its plan
+            result = job_result(run, seq, outcome, self.executor_id, self.engine.storage_dtype,
+                                job.status.submitted_at)
+        except Exception as e:           # a defect: the job ends FAILED with why, never left running unseen
+            log.exception("job %s: its result could not be built", job.claim.job_id)
+            job.status.error = f"its result could not be built ({type(e).__name__}: {e})"
+            return await self._close(job, pb.FAILED)
         job.status.result.CopyFrom(result)
         job.status.generated_tokens = result.generated_tokens
         await self.backend.append_event(job.claim.job_id, pb.JobEvent(job_id=job.claim.job_id, attempt=job.claim.attempt,

@@ -233,3 +233,22 @@ def test_a_budget_no_plan_can_hold_is_refused_before_the_prefill(client):
     st = client.run(request(DEMO_CONTEXT, question=DEMO_QUESTION, max_new_tokens=4, strategy="auto",
                             reserve_ratio=0.5))
     assert st.result is not None and count("kvplan_planner_prechecks_total", outcome="held") == held + 1
+
+
+def test_a_result_that_cannot_be_built_fails_the_job_with_why_and_the_next_job_runs(client, monkeypatch):
+    """A defect in building a finished job's result (seen: a field the stubs lacked) ends that job
+    FAILED with the reason, instead of leaving its client waiting on a job nobody will end."""
+    from executor import worker
+
+    def broken(*a, **k):
+        raise ValueError('Protocol message JobResult has no "x" field.')
+
+    monkeypatch.setattr(worker, "job_result", broken)
+    status = client.submit(request("What is the capital of France?", max_new_tokens=4))
+    deadline = time.monotonic() + 120
+    while client.get(status.job_id).state not in (pb.FAILED, pb.DONE) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    got = client.get(status.job_id)
+    assert got.state == pb.FAILED and "its result could not be built (ValueError" in got.error, got
+    monkeypatch.undo()
+    assert client.run(request("What is the capital of France?", max_new_tokens=4)).result.generated_tokens >= 1
