@@ -103,14 +103,16 @@ class Harness:
 
     def run(self, prompt: Prompt, strategy: str, ratio: float, max_new_tokens: int,
             prefix: Prefix | None = None, plan: CompressionPlan | None = None, store=None,
-            measure_recall: bool = False) -> RunResult:
-        """`prefix`: the prompt's leading chunks prefilled once (`Runner.prefix_of`); a run whose
+            measure_recall: bool = False, record_logits: bool = False):
+        """-> the run's result (`record_logits`: and each generated token's row of logits [V]).
+        `prefix`: the prompt's leading chunks prefilled once (`Runner.prefix_of`); a run whose
         plan chunks the prompt alike starts there, the others prefill everything. `plan`: the
         strategy's plan of this prompt when the caller already made it. Offload plans: `store`
         the job's cachestore handle (None: in process), fitted to `ratio` as a job's budget."""
         plan = plan or self.plan(strategy, list(prompt.context_ids), ratio, len(prompt.question_ids), max_new_tokens)
         return self.runner.run(prompt, plan, Sampling(max_new_tokens=max_new_tokens), prefix=prefix,
-                               store=store, budget=ratio, measure_recall=measure_recall)
+                               store=store, budget=ratio, measure_recall=measure_recall,
+                               record_logits=record_logits)
 
     # -- fidelity ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from bench import cases as C
+from bench import risk
 from bench.harness import MODES, Harness, agreement, check_strategies, measured_ratio
 from bench.plots import niah_grid
 from executor.prompt import Prompt
@@ -88,12 +89,16 @@ def run_cases(h: Harness, cases: list[C.Case], modes: list[str], jobs, new_token
         prefix = h.runner.prefix_of(prompt)        # the leading chunks, once for every run of this prompt
         for strategy, ratio in jobs:
             plan = h.plan(strategy, list(prompt.context_ids), ratio, len(prompt.question_ids), new_tokens)  # run + yardstick
-            res = h.run(prompt, strategy, ratio, new_tokens, prefix, plan, measure_recall=plan.offload.enabled)
+            res, logits = h.run(prompt, strategy, ratio, new_tokens, prefix, plan, measure_recall=plan.offload.enabled,
+                                record_logits=True)
             evicts = any(lp.kind != "full" for lp in plan.layers)     # else the plan keeps every token's K/V
             predicted = h.predicted_retained(plan, list(prompt.context_ids)) if evicts else plan.predicted_retained_attention
             copy = h.predicted_copy(plan, list(prompt.context_ids)) if evicts else 1.0
             runs[case.family, mode, strategy, ratio].append(dict(
-                predicted_retained=predicted, predicted_copy=copy, offload=res.offload,
+                predicted_retained=predicted, predicted_copy=copy, offload=res.offload, ratio=ratio,
+                grounded=risk.grounded(list(prompt.context_ids) + list(prompt.question_ids), res.token_ids),
+                kv_risk=res.kv_risk, kv_at_risk=res.kv_at_risk,
+                **risk.confidence(logits, res.token_ids),
                 id=case.id, length=case.length, depth=case.depth, key=case.key, answer=case.answer,
                 reply=res.text, correct=C.is_correct(case.answer, res.text),
                 digits=C.digits_matched(case.answer, res.text), measured_ratio=measured_ratio(res),

@@ -2,7 +2,8 @@
 full fp16 cache (per layer), its timings, what an offload plan transferred, and the plan's own
 figures (its verdict on the budget, its predicted worst step); an adaptive job's ratio and reason
 as first planned, and each shrink of its running cache since; its tokens' log-probabilities when
-it asked (`token_logprobs`, also what each streamed delta carries)."""
+it asked (`token_logprobs`, also what each streamed delta carries); whether its compression put
+the answer at risk (`kv_risk`, `kv_at_risk`: `executor.engine.risk`)."""
 from __future__ import annotations
 
 import time
@@ -37,7 +38,8 @@ def job_result(run: RunResult, seq: Sequence, outcome, executor_id: str, storage
         shrinks=[pb.Shrink(ratio=s.ratio, generated_tokens=s.generated_tokens, kv_bytes_before=s.kv_bytes_before,
                            kv_bytes_after=s.kv_bytes_after, reserved_before=s.reserved_before,
                            reserved_after=s.reserved_after) for s in seq.shrinks],
-        logprobs=token_logprobs(seq.tokenizer, zip(seq.generated, seq.logprobs)))
+        logprobs=token_logprobs(seq.tokenizer, zip(seq.generated, seq.logprobs)),
+        kv_risk=run.kv_risk, kv_at_risk=run.kv_at_risk)
     if plan.budget_met is not None:
         result.budget_met = plan.budget_met
     return result

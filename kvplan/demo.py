@@ -86,14 +86,17 @@ def run(addr: str, client_timeout_s: float, out=print) -> int:
         asked = f" at {ratio:g}" if ratio else ""
         out(f"[{strategy}{asked}] {r.text.strip()}")
     out("")
-    out(f"{'strategy':<10} {'KV bytes held':>14} {'full KV bytes':>14} {'ratio':>6}  degraded")
+    out(f"{'strategy':<10} {'KV bytes held':>14} {'full KV bytes':>14} {'ratio':>6}  degraded  at risk")
     for strategy, ratio, r in rows:
         out(f"{strategy:<10} {r.kv_bytes:>14,} {r.full_kv_bytes:>14,} {r.reserve_ratio:>6.3f}  "
-            f"{'yes' if r.degraded else 'no'}")
+            f"{'yes' if r.degraded else 'no':<8}  {'YES' if r.kv_at_risk else 'no'} ({r.kv_risk:.0%} not from the prompt)")
     full, auto = rows[0][2], rows[1][2]
     if auto.kv_bytes:
         out(f"\nauto held {auto.kv_bytes / full.kv_bytes:.1%} of full's KV bytes "
             f"({full.kv_bytes - auto.kv_bytes:,} bytes fewer).")
+    if auto.kv_at_risk:
+        out(f"auto's answer is AT RISK: {auto.kv_risk:.0%} of it is copied from nowhere in the prompt, as the compressed "
+            "answers that went wrong on the quality bench were (kv_risk, docs/benchmarks.md); check it against a larger ratio.")
     if full.reserve_ratio > 1.0:
         out(f"full holds a little more than the full cache: the pool stores whole blocks of {BLOCK_ROWS} rows "
             "per KV head and layer, the last one partly empty.")

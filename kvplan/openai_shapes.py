@@ -2,7 +2,8 @@
 (the first carries the role with the first token's text), the last and the usage chunk, in the
 chat (`chat.completion`) or the text (`text_completion`) kind, with their tokens'
 log-probabilities in that kind's OpenAI shape; `usage` with kvplan's own fields (`kv_bytes`,
-`full_kv_bytes`, `reserve_ratio`, `degraded`, `budget_met`, `budget_floor_tokens`, `kv_strategy`)."""
+`full_kv_bytes`, `reserve_ratio`, `degraded`, `budget_met`, `budget_floor_tokens`, `kv_strategy`,
+`kv_risk`, `kv_at_risk`)."""
 from __future__ import annotations
 
 import time
@@ -19,7 +20,8 @@ def usage(r: executor_pb2.JobResult) -> dict[str, Any]:
             "total_tokens": r.prompt_tokens + r.generated_tokens,
             "kv_bytes": r.kv_bytes, "full_kv_bytes": r.full_kv_bytes, "reserve_ratio": r.reserve_ratio,
             "degraded": r.degraded, "budget_met": r.budget_met if r.HasField("budget_met") else None,
-            "budget_floor_tokens": r.budget_floor_tokens, "kv_strategy": r.strategy}
+            "budget_floor_tokens": r.budget_floor_tokens, "kv_strategy": r.strategy,
+            "kv_risk": r.kv_risk, "kv_at_risk": r.kv_at_risk}
 
 
 class Shape:

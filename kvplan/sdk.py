@@ -76,6 +76,8 @@ class Result:
     prefill_s: float
     decode_tokens_per_s: float
     raw: pb.JobResult = field(repr=False, compare=False)
+    kv_risk: float = 0.0             # share of the answer not copied from the prompt (executor.engine.risk)
+    kv_at_risk: bool = False         # its cache was compressed and kv_risk is above the measured threshold
 
     def warnings(self, ratio: float | None = None) -> list[str]:
         """What a user must be told about this answer: a fallback ran (degraded), or the cache
@@ -92,13 +94,18 @@ class Result:
                        f"measured at its end, after {self.generated_tokens} tokens, it held {self.reserve_ratio:.3f}")
         elif ratio is not None and self.reserve_ratio > ratio + 1e-3:
             out.append(f"job {self.job_id} held reserve ratio {self.reserve_ratio:.3f}, above the {ratio:g} asked")
+        if self.kv_at_risk:
+            out.append(f"job {self.job_id}'s answer is AT RISK from its compression ({self.strategy}, reserve ratio "
+                       f"{self.reserve_ratio:.3f}): {self.kv_risk:.0%} of it is not copied from the prompt, as answers "
+                       f"its compressed cache got wrong were on the quality bench; check it against a larger ratio")
         return out
 
     @classmethod
     def of(cls, job_id: str, attempts: int, r: pb.JobResult) -> "Result":
         return cls(r.text, job_id, r.strategy, r.prompt_tokens, r.generated_tokens, r.kv_bytes, r.full_kv_bytes,
                    r.reserve_ratio, r.degraded, r.budget_met if r.HasField("budget_met") else None,
-                   r.budget_floor_tokens, r.finish_reason, attempts, r.prefill_s, r.decode_tokens_per_s, r)
+                   r.budget_floor_tokens, r.finish_reason, attempts, r.prefill_s, r.decode_tokens_per_s, r,
+                   r.kv_risk, r.kv_at_risk)
 
 
 class Streaming:

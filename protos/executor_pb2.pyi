@@ -80,7 +80,7 @@ class LayerStats(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens", "queue_s", "ttft_s", "kv_reserved_bytes", "predicted_kv_bytes", "budget_ratio", "budget_reason", "shrinks", "logprobs")
+    __slots__ = ("text", "strategy", "plan_id", "prompt_tokens", "generated_tokens", "kv_bytes", "full_kv_bytes", "reserve_ratio", "prefill_s", "decode_s", "prefill_tokens_per_s", "decode_tokens_per_s", "degraded", "per_layer", "finish_reason", "executor_id", "storage_dtype", "offload", "budget_met", "budget_floor_tokens", "queue_s", "ttft_s", "kv_reserved_bytes", "predicted_kv_bytes", "budget_ratio", "budget_reason", "shrinks", "logprobs", "kv_risk", "kv_at_risk")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class JobResult(_message.Message):
     BUDGET_REASON_FIELD_NUMBER: _ClassVar[int]
     SHRINKS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_RISK_FIELD_NUMBER: _ClassVar[int]
+    KV_AT_RISK_FIELD_NUMBER: _ClassVar[int]
     text: str
     strategy: str
     plan_id: str
@@ -137,7 +139,9 @@ class JobResult(_message.Message):
     budget_reason: str
     shrinks: _containers.RepeatedCompositeFieldContainer[Shrink]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_reserved_bytes: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ..., shrinks: _Optional[_Iterable[_Union[Shrink, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    kv_risk: float
+    kv_at_risk: bool
+    def __init__(self, text: _Optional[str] = ..., strategy: _Optional[str] = ..., plan_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., full_kv_bytes: _Optional[int] = ..., reserve_ratio: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., per_layer: _Optional[_Iterable[_Union[LayerStats, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., executor_id: _Optional[str] = ..., storage_dtype: _Optional[str] = ..., offload: _Optional[_Union[OffloadStats, _Mapping]] = ..., budget_met: _Optional[bool] = ..., budget_floor_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., kv_reserved_bytes: _Optional[int] = ..., predicted_kv_bytes: _Optional[int] = ..., budget_ratio: _Optional[float] = ..., budget_reason: _Optional[str] = ..., shrinks: _Optional[_Iterable[_Union[Shrink, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_risk: _Optional[float] = ..., kv_at_risk: _Optional[bool] = ...) -> None: ...
 
 class Shrink(_message.Message):
     __slots__ = ("ratio", "generated_tokens", "kv_bytes_before", "kv_bytes_after", "reserved_before", "reserved_after")

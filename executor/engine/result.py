@@ -1,10 +1,12 @@
 """What a finished sequence reports: its text and tokens, its timings, the bytes each layer's
-tensors hold against the full fp16 cache, and what an offload plan transferred."""
+tensors hold against the full fp16 cache, what an offload plan transferred, and whether its
+compression put the answer at risk (`executor.engine.risk`)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from executor.engine import risk
 from executor.engine.seq_cache import LayerBytes
 from executor.engine.sequence import Sequence
 
@@ -23,6 +25,8 @@ class RunResult:
     queue_s: float = 0.0              # added -> admitted (waiting for KV budget)
     ttft_s: float = 0.0               # added -> first token
     itl_s: list[float] = field(default_factory=list)    # gaps between consecutive tokens
+    kv_risk: float = 0.0              # share of the answer not copied from the prompt (`risk.kv_risk`)
+    kv_at_risk: bool = False          # compressed and kv_risk above `risk.THRESHOLD`
 
     @property
     def degraded(self) -> bool:
@@ -42,11 +46,13 @@ def run_result(seq: Sequence) -> RunResult:
     admitted = seq.t_admitted or seq.t_finished
     prefilled = seq.t_prefilled or seq.t_finished
     times = seq.t_tokens
+    kv_risk = risk.kv_risk(list(seq.prompt.context_ids) + list(seq.prompt.question_ids), seq.generated)
     return RunResult(seq.final_text, list(seq.generated), seq.prompt.num_tokens, prefilled - admitted,
                      seq.t_finished - prefilled, seq.steps, seq.finish_reason, seq.cache.layer_bytes(),
                      offload_report(seq) if seq.offload else None, queue_s=admitted - seq.t_added,
                      ttft_s=(times[0] if times else seq.t_finished) - seq.t_added,
-                     itl_s=[b - a for a, b in zip(times, times[1:])])
+                     itl_s=[b - a for a, b in zip(times, times[1:])], kv_risk=kv_risk,
+                     kv_at_risk=risk.at_risk(kv_risk, seq.plan))
 
 
 def offload_report(seq: Sequence) -> dict:

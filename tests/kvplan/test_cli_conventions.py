@@ -161,3 +161,16 @@ def test_demo_prints_both_answers_and_both_byte_counts(embedded):
     held = lambda row: int(row.split()[1].replace(",", ""))          # noqa: E731
     assert "[full]" in text and "[auto at 0.2]" in text
     assert 0 < held(auto) < 0.25 * held(full) and "auto held" in text
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_answer_at_risk_warns_and_json_carries_its_risk(fake, capsys, strict):
+    fake.script.events = events((1, ["1234"]), result=result("The number is 1234.", strategy="snapkv",
+                                                             kv_risk=0.25, kv_at_risk=True))
+    code = cli.main(["generate", "--json", *(["--strict"] if strict else []), "--ratio", "0.2", "hi"])
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["kv_risk"] == 0.25 and got["kv_at_risk"] is True
+    assert "kvplan: warning: job job0's answer is AT RISK from its compression (snapkv" in err
+    assert "25% of it is not copied from the prompt" in err
+    assert code == (3 if strict else 0)

@@ -62,6 +62,7 @@ def test_openai_client_streams_a_chat_completion_under_auto_at_0_2(real_api):
     assert chunks[0].choices[0].delta.role == "assistant" and text.strip()
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert usage.kv_strategy == "auto" and not usage.degraded and usage.budget_met is not False
+    assert 0.0 <= usage.kv_risk <= 1.0 and usage.kv_at_risk == (usage.kv_risk > 0)   # auto at 0.2: compressed
     assert 0 < usage.kv_bytes < usage.full_kv_bytes and usage.reserve_ratio <= 0.2
     assert usage.completion_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 

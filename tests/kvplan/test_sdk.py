@@ -47,6 +47,7 @@ def test_client_generates_and_streams_over_the_real_model(embedded):
         assert isinstance(r, kvplan.Result) and r.strategy == "auto"       # a budget and no strategy: auto
         assert r.budget_met is not False and 0 < r.kv_bytes < r.full_kv_bytes and r.reserve_ratio <= 0.2
         assert r.attempts == 1 and not r.degraded and r.warnings(0.2) == []
+        assert r.kv_risk == 0.0 and r.kv_at_risk is False and r.raw.kv_at_risk is False   # copied from the prompt
         s = client.stream("What is the capital of France?", max_new_tokens=12)
         pieces = list(s)
         assert len(pieces) > 1 and "".join(pieces) == s.result.text and "Paris" in s.result.text
