@@ -74,7 +74,11 @@ class JobHandle:
 
     def __post_init__(self):
         self._pending: dict[tuple[int, int], Future] = {}    # (layer, step) -> Future[Fetched]
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplan-prefetch")
+        # one OpenMP thread on the prefetch thread (a per-thread setting): its gathers and re-ranks
+        # are small, and an OpenMP team per job's prefetch thread spin-waits on the cores the
+        # engine's step computes on
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplan-prefetch",
+                                        initializer=torch.set_num_threads, initargs=(1,))
         self._lock = threading.Lock()
 
     # -- the executor's calls -----------------------------------------------------------
@@ -181,27 +185,36 @@ class JobHandle:
 
 
 class LocalHandle(JobHandle):
-    """Rows in this process's memory, per layer [H, N, D], grown by appends."""
+    """Rows in this process's memory, per layer k, v [H, capacity, D] grown by appends (the
+    capacity doubles, so a decode step's one-row append copies nothing and a read is a view)."""
 
     def __init__(self):
         super().__init__(transport="local")
         self._rows_lock = threading.Lock()      # the prefetch thread reads while the job appends
-        self._k: dict[int, list[torch.Tensor]] = {}
-        self._v: dict[int, list[torch.Tensor]] = {}
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        self._n: dict[int, int] = {}
 
     def _put(self, layer, k, v):
         with self._rows_lock:
-            self._k.setdefault(layer, []).append(k.detach().clone())
-            self._v.setdefault(layer, []).append(v.detach().clone())
+            n, t = self._n.get(layer, 0), k.shape[1]
+            if layer not in self._k or n + t > self._k[layer].shape[1]:
+                cap = max(2 * (n + t), 64)
+                for rows, x in ((self._k, k), (self._v, v)):
+                    grown = x.new_empty(x.shape[0], cap, x.shape[2])
+                    if layer in rows:
+                        grown[:, :n] = rows[layer][:, :n]
+                    rows[layer] = grown
+            self._k[layer][:, n:n + t] = k.detach()
+            self._v[layer][:, n:n + t] = v.detach()
+            self._n[layer] = n + t
 
     def _read(self, layer):
         with self._rows_lock:
-            for rows in (self._k, self._v):
-                if len(rows.get(layer, ())) > 1:
-                    rows[layer] = [torch.cat(rows[layer], dim=1)]
             if layer not in self._k:
                 raise StoreUnavailable(f"layer {layer}: nothing offloaded")
-            return self._k[layer][0], self._v[layer][0]
+            n = self._n[layer]
+            return self._k[layer][:, :n], self._v[layer][:, :n]
 
     def _gather(self, layer, idx):
         k, v = self._read(layer)                                   # [H, N, D]
@@ -211,6 +224,7 @@ class LocalHandle(JobHandle):
     def _release(self):
         self._k.clear()
         self._v.clear()
+        self._n.clear()
 
 
 class Unavailable(JobHandle):

@@ -363,16 +363,37 @@ class BlockTables:
 
     def set_skip(self, layer: int, slot: int, rows: torch.Tensor | None) -> None:
         """rows [H, Q] bool over the quant rows (True: attention skips it), or None: none skipped."""
-        if rows is None:
-            return
-        lay = self.layout
-        if int(self.xpage[layer, slot, 0]) < 0:
+        if rows is not None:
+            self.set_skips(layer, torch.tensor([slot]), rows[None])
+
+    def set_skips(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Skip pages of several sequences in one write: slots [S], rows [S, H, Q] bool over each
+        one's quant rows (True: attention skips it)."""
+        lay, s = self.layout, len(slots)
+        for slot in slots[self.xpage[layer].index_select(0, slots)[:, 0] < 0].tolist():
             self.xpage[layer, slot] = self.pool.alloc(self.H)
         view = self.pool.page_view()
-        bits = torch.zeros(self.H, lay.skip_rows, dtype=torch.bool)
-        bits[:, :rows.shape[1]] = rows.cpu()
-        packed = (bits.view(self.H, -1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-        view[self.xpage[layer, slot].long().to(view.device)] = packed.to(view.device)
+        used = ceil_div(rows.shape[-1], 8)                                 # bytes the rows given take; the rest 0
+        bits = torch.zeros(s, self.H, used * 8, dtype=torch.bool)
+        bits[..., :rows.shape[-1]] = rows.cpu()
+        packed = torch.zeros(s * self.H, lay.skip_rows // 8, dtype=torch.uint8)
+        packed[:, :used] = (bits.view(s * self.H, used, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(
+            -1, dtype=torch.uint8)
+        view[self.xpage[layer].index_select(0, slots).reshape(-1).long().to(view.device)] = packed.to(view.device)
+
+    def write_entries(self, layer: int, slots: torch.Tensor, first: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Entry rows [first_s, first_s + n) of each sequence's heads := k, v [S, H, n, D], in one
+        write for all (SpeCache's prefetched rows into their slots): slots, first [S]."""
+        lay = self.layout
+        s, h, n, d = k.shape
+        pos = first[:, None].long() + torch.arange(n)                                          # [S, n]
+        col = (pos // lay.entry_rows)[:, None, :].expand(s, h, n)
+        rows, dev = self.pool.rows(self.dtype), self.pool.arena.device
+        for table, x in ((self.ektable, k), (self.evtable, v)):
+            page = table[layer].index_select(0, slots).gather(2, col).long()                   # [S, H, n]
+            at = lay.first_row(page) + (pos % lay.entry_rows)[:, None, :]
+            rows.index_copy_(0, at.reshape(-1).to(dev), x.reshape(-1, d).to(self.dtype).to(dev))
 
     # -- reading --------------------------------------------------------------------------------
     def dense(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

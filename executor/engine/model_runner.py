@@ -274,9 +274,9 @@ class ModelRunner:
         lm = self.lm
         hk, hn, d = lm.num_kv_heads, lm.num_query_heads // lm.num_kv_heads, lm.head_dim
         segs = [step.segments[i] for i in grp.index]
-        for seg in segs:
-            if seg.phase is Phase.SPEC:                                   # the rows prefetched for this step
-                offload.place(self.press, seg.seq, layer, seg.seq.steps + 1)
+        spec = [seg.seq for seg in segs if seg.phase is Phase.SPEC]
+        if spec:                                                          # the rows prefetched for this step
+            offload.place(self.press, spec, layer, [seq.steps + 1 for seq in spec])
         s, r = grp.rows.shape
         flat = grp.rows.reshape(-1)
         qg = q.index_select(0, flat).view(s, r, hk, hn, d).permute(0, 2, 1, 3, 4).reshape(s * hk, r * hn, d)
@@ -288,26 +288,42 @@ class ModelRunner:
         out.index_copy_(0, flat, res.to(q.dtype))
 
     def _speculate(self, segs: list[Segment], layer: int, qg, res, lse, k_new, v_new, grp: DecodeGroup) -> None:
-        """SpeCache after a decode call (res, lse [S_d·H_kv, r·h_n, …] in place): the guess row (the
-        second of a SPEC step) adds its own row, which is not stored; the real row's K/V goes to the
-        store; the guess's attention (or a pre-decoding row's) picks the next step's rows to prefetch.
-        k_new, v_new [N, H_kv, D]: the step's new rows."""
-        hk, hn = self.lm.num_kv_heads, self.lm.num_query_heads // self.lm.num_kv_heads
-        for j, seg in enumerate(segs):
-            at = slice(j * hk, (j + 1) * hk)
-            if seg.phase is Phase.SPEC:
-                real, guess = int(grp.rows[j, 0]), int(grp.rows[j, 1])
-                own = torch.einsum("hjd,hd->hj", qg[at, hn:].float(), k_new[guess].float()) * self.scaling  # [H_kv, h_n]
-                m = torch.maximum(lse[at, hn:], own)
-                wa, wb = torch.exp(lse[at, hn:] - m), torch.exp(own - m)
-                res[at, hn:] = (res[at, hn:] * wa[..., None] + wb[..., None] * v_new[guess].float()[:, None, :]) \
-                    / (wa + wb)[..., None]
-                lse[at, hn:] = m + torch.log(wa + wb)
-                seg.seq.store.put(layer, k_new[real][:, None].to(self.storage_dtype),
-                                  v_new[real][:, None].to(self.storage_dtype))
-                offload.select(self.press, seg.seq, layer, qg[at, hn:], lse[at, hn:], seg.seq.steps + 2)
-            elif seg.phase is Phase.PREDECODE:
-                offload.select(self.press, seg.seq, layer, qg[at, :hn], lse[at, :hn], 1)
+        """SpeCache after a decode call (res, lse [S_d·H_kv, r·h_n, …] in place), for all its
+        sequences at once: the guess row (the second of a SPEC step) adds its own row, which is
+        not stored; the real row's K/V goes to the store; the guess's attention (or a pre-decoding
+        row's) picks the next step's rows to prefetch. k_new, v_new [N, H_kv, D]: the step's new rows."""
+        hk, hn, d = self.lm.num_kv_heads, self.lm.num_query_heads // self.lm.num_kv_heads, self.lm.head_dim
+        s = len(segs)
+        q4, r4, l3 = qg.view(s, hk, -1, d), res.view(s, hk, -1, d), lse.view(s, hk, -1)    # [S_d, H_kv, r·h_n, …]
+        spec = [j for j, seg in enumerate(segs) if seg.phase is Phase.SPEC]
+        pre = [j for j, seg in enumerate(segs) if seg.phase is Phase.PREDECODE]
+        if spec:
+            at = torch.tensor(spec, device=qg.device)
+            real, guess = grp.rows[at, 0], grp.rows[at, 1]                                  # [S']
+            self._own_row(r4, l3, at, q4.index_select(0, at)[:, :, hn:], k_new[guess], v_new[guess])
+            kr, vr = k_new[real].to(self.storage_dtype), v_new[real].to(self.storage_dtype)   # [S', H_kv, D]
+            seqs = [segs[j].seq for j in spec]
+            for i, seq in enumerate(seqs):
+                seq.store.put(layer, kr[i][:, None], vr[i][:, None])
+            offload.select(self.press, seqs, layer, q4.index_select(0, at)[:, :, hn:],
+                           l3.index_select(0, at)[:, :, hn:], [seq.steps + 2 for seq in seqs])
+        if pre:
+            at = torch.tensor(pre, device=qg.device)
+            offload.select(self.press, [segs[j].seq for j in pre], layer, q4.index_select(0, at)[:, :, :hn],
+                           l3.index_select(0, at)[:, :, :hn], [1] * len(pre))
+
+    def _own_row(self, r4, l3, at, q, k, v) -> None:
+        """The guess rows of sequences `at` [S'] attend to their own new row too (it is not in the
+        pool): q [S', H_kv, h_n, D], k, v [S', H_kv, D]; their outputs in r4 [S_d, H_kv, r·h_n, D]
+        and log-sum-exps in l3 [S_d, H_kv, r·h_n] (the guess's h_n heads the last) merged in place."""
+        hn = q.shape[2]
+        own = torch.einsum("shjd,shd->shj", q.float(), k.float()) * self.scaling                # [S', H_kv, h_n]
+        lse = l3.index_select(0, at)[:, :, hn:]
+        m = torch.maximum(lse, own)
+        wa, wb = torch.exp(lse - m), torch.exp(own - m)
+        res = r4.index_select(0, at)[:, :, hn:]
+        r4[at, :, hn:] = (res * wa[..., None] + wb[..., None] * v.float()[:, :, None, :]) / (wa + wb)[..., None]
+        l3[at, :, hn:] = m + torch.log(wa + wb)
 
     def _prefill(self, seg: Segment, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
                  ) -> torch.Tensor:

@@ -67,67 +67,126 @@ def press(ctx: PressContext, seq, layer: int, lp: LayerPlan, q, k, v, later_k=No
 
 def _skip(tables, layer: int, slot: int, sinks: int, idx: torch.Tensor | None) -> None:
     """The skip page: the sinks and the prefetched rows idx [H_kv, k] (positions) of the low-bit copy."""
-    fid = int(tables.qform[layer, slot])
-    q = int(tables.qn[layer, slot, 0]) * tables.layout.quant_forms[fid].rows
-    rows = torch.zeros(tables.H, q, dtype=torch.bool)
-    rows[:, :sinks] = True
+    _skips(tables, layer, torch.tensor([slot]), torch.tensor([sinks]), None if idx is None else idx[None])
+
+
+def _skips(tables, layer: int, slots: torch.Tensor, sinks: torch.Tensor, idx: torch.Tensor | None) -> None:
+    """Each sequence's skip page, in one write: slots, sinks [S]; its sinks and its prefetched rows
+    idx [S, H_kv, k] (positions) of its low-bit copy (those past its quant rows not marked)."""
+    fids = tables.qform[layer].index_select(0, slots).long()                                 # [S]
+    q = (tables.qn[layer].index_select(0, slots)[:, 0] * tables.form_rows[fids]).long()      # [S] quant rows
+    width = max(int(q.max()), 1)
+    rows = (torch.arange(width) < sinks[:, None]).repeat_interleave(tables.H, 0)
+    rows = rows.view(len(slots), tables.H, width)                                            # [S, H_kv, longest Q]
     if idx is not None:
-        rows.scatter_(1, idx.long().clamp_max(max(q - 1, 0)).cpu(), idx.long().cpu() < q)
-    tables.set_skip(layer, slot, rows)
+        idx = idx.long().cpu()
+        top = (q - 1).clamp_min(0)[:, None, None]
+        rows.scatter_(2, torch.minimum(idx, top), idx < q[:, None, None])
+    tables.set_skips(layer, slots, rows)
 
 
-def place(ctx: PressContext, seq, layer: int, step: int) -> None:
-    """The rows prefetched for `step` (if they came within the sequence's wait) into their slots."""
-    st, tables, slot = seq.offload_state[layer], ctx.tables, seq.cache.slot
-    fetched = seq.store.take(layer, step, seq.prefetch_wait_s)
-    if fetched is None:
+def place(ctx: PressContext, seqs: list, layer: int, steps: list[int]) -> None:
+    """Before a decode step's attention: each sequence's rows prefetched for its step (if they came
+    within its wait) into its slots, exact — their entries in one write for all, the slots' fields
+    (the same every step) only when their count changes — and the skip pages marking them and the
+    sinks, in one write."""
+    got = [(seq, seq.store.take(layer, step, seq.prefetch_wait_s)) for seq, step in zip(seqs, steps)]
+    got = [(seq, f) for seq, f in got if f is not None]
+    if not got:
         return
-    sinks, kk = st["sinks"], fetched.idx.shape[1]
-    hk = tables.H
+    tables = ctx.tables
+    for seq, f in got:
+        st = seq.offload_state[layer]
+        if st.get("slots") != f.idx.shape[1]:
+            tables.write_coded(layer, seq.cache.slot, st["sinks"], _fetched_slots(tables.H, st["sinks"], f.idx.shape[1]))
+            st["slots"] = f.idx.shape[1]
+        st["fetched"] = f.idx
+    for kk in sorted({f.idx.shape[1] for _, f in got}):
+        part = [(seq, f) for seq, f in got if f.idx.shape[1] == kk]
+        tables.write_entries(layer, torch.tensor([seq.cache.slot for seq, _ in part]),
+                             torch.tensor([seq.offload_state[layer]["sinks"] for seq, _ in part]),
+                             torch.stack([f.k for _, f in part]), torch.stack([f.v for _, f in part]))
+        _skips(tables, layer, torch.tensor([seq.cache.slot for seq, _ in part]),
+               torch.tensor([seq.offload_state[layer]["sinks"] for seq, _ in part]),
+               torch.stack([f.idx for _, f in part]))
+
+
+def _fetched_slots(hk: int, sinks: int, kk: int) -> CodedRows:
+    """The fields of coded slots [sinks, sinks + kk), each its own exact entry (the entries apart)."""
     idx = torch.arange(sinks, sinks + kk, dtype=torch.int32).expand(hk, kk).contiguous()
     one = torch.ones(hk, kk, dtype=torch.float16)
-    rows = CodedRows(idx, idx.clone(), torch.full((hk, kk), -1, dtype=torch.int32), one, one.clone(),
-                     torch.full((hk, kk), ALL_HEADS, dtype=torch.uint8), fetched.k.cpu(), fetched.v.cpu())
-    tables.write_coded(layer, slot, sinks, rows, entries_at=sinks)
-    st["fetched"] = fetched.idx
-    _skip(tables, layer, slot, sinks, fetched.idx)
+    none = torch.zeros(hk, 0, 1)
+    return CodedRows(idx, idx.clone(), torch.full((hk, kk), -1, dtype=torch.int32), one, one.clone(),
+                     torch.full((hk, kk), ALL_HEADS, dtype=torch.uint8), none, none)
 
 
-def lowbit_keys(tables, layer: int, slot: int):
-    """The low-bit copy's keys as `kernels.lowbit_scores` reads them: codes [H_kv, n, D, g_k·b/8],
-    scale and zero [H_kv, n, D] (n key groups), and the bits."""
-    lay, fid = tables.layout, int(tables.qform[layer, slot])
+def lowbit_keys(tables, layer: int, slots: list[int]):
+    """The low-bit copies' keys of sequences of one quant form as `kernels.lowbit_scores` reads
+    them, each padded to the longest (n key groups; a shorter one's last are any page's):
+    codes [S·H_kv, n, D, g_k·b/8], scale and zero [S·H_kv, n, D], and the bits."""
+    lay, fid = tables.layout, int(tables.qform[layer, slots[0]])
     f = lay.quant_forms[fid]
-    n = int(tables.qn[layer, slot, 0])
+    sl = torch.tensor(slots)
+    n = int(tables.qn[layer].index_select(0, sl)[:, 0].max())
     parts = lay.form_parts(fid)
-    pages = tables.pool.page_view()[tables.qtable[layer, slot, :, :n].long().reshape(-1).to(tables.pool.arena.device)]
+    table = tables.qtable[layer].index_select(0, sl)[:, :, :n]                               # [S, H_kv, n]
+    index = table.long().reshape(-1).to(tables.pool.arena.device)
+    view = tables.pool.page_view()
+
+    def part(name):                          # the key part `name` of those pages, alone: [S·H_kv·n, bytes]
+        a, m = parts[name]
+        return view[:, a:a + m].index_select(0, index)
     sub, d, kgb = f.rows // f.key_group, lay.head_dim, f.key_group * f.bits // 8
-    h = tables.H
-    a, m = parts["kc"]
-    codes = pages[:, a:a + m].reshape(h, n, d, sub, kgb).permute(0, 1, 3, 2, 4).reshape(h, n * sub, d, kgb)
-    scale = pages[:, parts["ks"][0]:parts["ks"][0] + parts["ks"][1]].contiguous().view(torch.float16).view(h, n * sub, d)
-    zero = pages[:, parts["kz"][0]:parts["kz"][0] + parts["kz"][1]].contiguous().view(torch.float16).view(h, n * sub, d)
+    h = len(slots) * tables.H
+    codes = part("kc").reshape(h, n, d, sub, kgb).permute(0, 1, 3, 2, 4).reshape(h, n * sub, d, kgb)
+    scale = part("ks").view(torch.float16).view(h, n * sub, d)
+    zero = part("kz").view(torch.float16).view(h, n * sub, d)
     return codes.contiguous(), scale, zero, f.bits
 
 
-def select(ctx: PressContext, seq, layer: int, q: torch.Tensor, lse: torch.Tensor, step: int) -> None:
-    """q [H_kv, h_n, D] the speculative row's queries, lse [H_kv, h_n] their attention's log-sum-exp:
-    prefetch for `step` the rows of the low-bit copy it attends to most (sinks excepted)."""
-    st, off, tables, slot = seq.offload_state[layer], seq.plan.offload, ctx.tables, seq.cache.slot
-    if seq.store.failed or not int(tables.qn[layer, slot, 0]):
+def select(ctx: PressContext, seqs: list, layer: int, q: torch.Tensor, lse: torch.Tensor, steps: list[int]) -> None:
+    """q [S, H_kv, h_n, D] the speculative rows' queries, lse [S, H_kv, h_n] their attention's
+    log-sum-exp: for each sequence, prefetch for its step the rows of its low-bit copy its row
+    attends to most (sinks excepted). Scored in one call per quant form for all the sequences."""
+    tables = ctx.tables
+    live = [i for i, seq in enumerate(seqs)
+            if not seq.store.failed and int(tables.qn[layer, seq.cache.slot, 0])]
+    forms: dict[int, list[int]] = {}
+    for i in live:
+        forms.setdefault(int(tables.qform[layer, seqs[i].cache.slot]), []).append(i)
+    for part in forms.values():
+        _select_form(ctx, [seqs[i] for i in part], layer, q[part], lse[part], [steps[i] for i in part])
+
+
+def _select_form(ctx: PressContext, seqs: list, layer: int, q: torch.Tensor, lse: torch.Tensor, steps: list[int]) -> None:
+    """`select` for sequences whose low-bit copies share a quant form."""
+    tables, s = ctx.tables, len(seqs)
+    hk, hn, d = q.shape[1:]
+    slots = [seq.cache.slot for seq in seqs]
+    codes, scale, zero, bits = lowbit_keys(tables, layer, slots)
+    scores = lowbit_scores(q.reshape(s * hk, hn, d).float(), codes, scale, zero, bits) * ctx.scaling  # [S·H_kv, h_n, Q]
+    logp = scores.view(s, hk, hn, -1) - lse[..., None].to(scores.device)
+    mean = torch.logsumexp(logp, dim=2)                                  # [S, H_kv, Q] log of the group mean (·h_n)
+    sl = torch.tensor(slots)
+    fid = int(tables.qform[layer, slots[0]])
+    qn = (tables.qn[layer].index_select(0, sl)[:, 0] * tables.layout.quant_forms[fid].rows).tolist()   # [S] rows
+    sinks = [seq.offload_state[layer]["sinks"] for seq in seqs]
+    cols = torch.arange(mean.shape[-1], device=mean.device)
+    lo = torch.tensor(sinks, device=mean.device)[:, None, None]
+    hi = torch.tensor(qn, device=mean.device)[:, None, None]
+    mean = mean.masked_fill((cols < lo) | (cols >= hi), float("-inf"))
+    kk = [min(seq.plan.offload.top_k, n - sk) for seq, n, sk in zip(seqs, qn, sinks)]
+    wide = [min(k * max(seq.plan.offload.rerank, 1), n - sk) for seq, k, n, sk in zip(seqs, kk, qn, sinks)]
+    if max(wide) <= 0:
         return
-    codes, scale, zero, bits = lowbit_keys(tables, layer, slot)
-    scores = lowbit_scores(q.float(), codes, scale, zero, bits) * ctx.scaling                # [H_kv, h_n, Q]
-    probs = torch.exp(scores - lse[..., None].to(scores.device)).mean(1)                     # [H_kv, Q] group mean
-    s, qn = st["sinks"], probs.shape[1]
-    kk = min(off.top_k, qn - s)
-    if kk <= 0:
-        return
-    wide = min(kk * max(off.rerank, 1), qn - s)
-    idx = probs[:, s:].topk(wide, dim=-1).indices + s                                        # [H_kv, wide]
-    seq.store.prefetch(layer, step, idx, (q * ctx.scaling).contiguous(), kk)
-    if seq.recall is not None and st["fetched"] is not None:
-        seq.recall.append(_recall(seq, layer, q, st, ctx.scaling, qn))
+    top = mean.topk(max(wide), dim=-1).indices                                               # [S, H_kv, W]
+    for j, seq in enumerate(seqs):
+        if kk[j] <= 0:
+            continue
+        seq.store.prefetch(layer, steps[j], top[j, :, :wide[j]], (q[j] * ctx.scaling).contiguous(), kk[j])
+        st = seq.offload_state[layer]
+        if seq.recall is not None and st["fetched"] is not None:
+            seq.recall.append(_recall(seq, layer, q[j], st, ctx.scaling, qn[j]))
 
 
 def _recall(seq, layer: int, q: torch.Tensor, st: dict, scaling: float, qn: int) -> tuple[float, float]:

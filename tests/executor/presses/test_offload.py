@@ -62,7 +62,7 @@ def test_scores_over_the_low_bit_keys_equal_the_streams_dequantized_rows(tiny_mo
     while not seq.offload_state:
         runner.engine.step()
     t, slot = runner.engine.runner.tables, seq.cache.slot
-    codes, scale, zero, bits = offload.lowbit_keys(t, 0, slot)            # [H_kv, n, D, B], [H_kv, n, D] x2
+    codes, scale, zero, bits = offload.lowbit_keys(t, 0, [slot])          # [H_kv, n, D, B], [H_kv, n, D] x2
     rows = codes.shape[1] * 32                                             # key groups of 32 rows
     assert bits == 2 and rows == 64                                        # 71 rows: two whole groups
     q = torch.randn(t.H, 3, tiny_model.head_dim, generator=torch.Generator().manual_seed(0))
@@ -103,11 +103,11 @@ def test_the_prefetch_takes_the_low_bit_top_k_or_re_ranks_candidates_by_exact_ke
     ctx, hk, d = runner.engine.runner.press, tiny_model.num_kv_heads, tiny_model.head_dim
     hn = tiny_model.num_query_heads // hk
     q = torch.randn(hk, hn, d, generator=torch.Generator().manual_seed(5))
-    codes, scale, zero, bits = offload.lowbit_keys(ctx.tables, 1, seq.cache.slot)
+    codes, scale, zero, bits = offload.lowbit_keys(ctx.tables, 1, [seq.cache.slot])
     from kernels import lowbit_scores
     scores = lowbit_scores(q, codes, scale, zero, bits) * ctx.scaling                 # [H_kv, h_n, Q]
     lse = torch.logsumexp(scores, -1)
-    offload.select(ctx, seq, 1, q, lse, step=3)
+    offload.select(ctx, [seq], 1, q[None], lse[None], steps=[3])
     got = store.take(1, 3, wait_s=5.0).idx.sort(-1).values                            # [H_kv, 4]
     if rerank == 1:
         expect = torch.exp(scores - lse[..., None]).mean(1).topk(4, dim=-1).indices
@@ -117,6 +117,99 @@ def test_the_prefetch_takes_the_low_bit_top_k_or_re_ranks_candidates_by_exact_ke
     assert torch.equal(got, expect.sort(-1).values)
     runner.engine.run_all()
     store.release()
+
+
+def _batch(m: int) -> list[tuple[Prompt, object]]:
+    """SpeCache jobs of two low-bit widths (two quant forms), prompt lengths, top-k and re-ranking."""
+    return [(Prompt(list(range(100, 171)), []), offload_plan(m, top_k=8, sink_tokens=2, recent_window=8)),
+            (Prompt(list(range(300, 420)), []), offload_plan(m, top_k=16, rerank=4, recent_window=8)),
+            (Prompt(list(range(500, 580)), []), offload_plan(m, low_bits=1, top_k=8, sink_tokens=3)),
+            (Prompt(list(range(700, 840)), []), offload_plan(m, top_k=4, rerank=2, sink_tokens=1))]
+
+
+@torch.inference_mode()
+def test_a_batch_of_offload_sequences_gives_each_ones_tokens_alone(tiny_model):
+    """SpeCache jobs decoding together (each layer's placing, scoring and prefetching done for all of
+    them at once) give each job's greedy tokens alone, prefetches waited for (none late)."""
+    from executor.engine import KVBudget, LLMEngine, Status
+    jobs = _batch(tiny_model.num_layers)
+    runner = Runner(tiny_model, torch.float16, prefetch_wait_s=30.0)
+    solo = [runner.run(prompt, plan, Sampling(10)) for prompt, plan in jobs]
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40), prefetch_wait_s=30.0)
+    seqs = [engine.sequence(prompt, plan, Sampling(10)) for prompt, plan in jobs]
+    for seq in seqs:
+        engine.add(seq)
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, sum(s.status is Status.DECODE for s in engine.scheduler.running))
+    assert most == len(jobs)                                             # they really decoded together
+    for seq, alone in zip(seqs, solo):
+        assert seq.generated == alone.token_ids and len(alone.token_ids) == 10
+        assert alone.offload["stats"]["late"] == 0
+
+
+@torch.inference_mode()
+def test_batched_select_and_place_match_each_sequence_alone(tiny_model):
+    """`select` over several sequences (padded low-bit copies, two quant forms) prefetches for each
+    the rows the published rule picks for it alone — the top rerank·k of its group's mean attention
+    over its own low-bit keys, sinks excepted — and `place` puts each one's rows into its slots,
+    exact, and hides them (and the sinks) in its low-bit copy."""
+    from executor.engine import KVBudget, LLMEngine, Status
+    from kernels import lowbit_scores
+    engine = LLMEngine(tiny_model, torch.float16, KVBudget(1 << 40))
+    jobs = _batch(tiny_model.num_layers)
+    stores = [LocalHandle() for _ in jobs]
+    seqs = [engine.sequence(prompt, plan, Sampling(32), store=store) for (prompt, plan), store in zip(jobs, stores)]
+    for seq in seqs:
+        engine.add(seq)
+    while not all(seq.offload_state for seq in seqs):
+        engine.step()
+    assert all(seq.status is not Status.FINISHED for seq in seqs)       # none finished: their slots theirs
+    ctx, hk, d, layer = engine.runner.press, tiny_model.num_kv_heads, tiny_model.head_dim, 1
+    hn = tiny_model.num_query_heads // hk
+    q = torch.randn(len(seqs), hk, hn, d, generator=torch.Generator().manual_seed(7))
+    lse = torch.randn(len(seqs), hk, hn, generator=torch.Generator().manual_seed(8)) + 3
+    offload.select(ctx, seqs, layer, q, lse, steps=[90 + i for i in range(len(seqs))])
+    for i, (seq, store) in enumerate(zip(seqs, stores)):                 # the per-sequence reference
+        if not int(ctx.tables.qn[layer, seq.cache.slot, 0]):                 # no low-bit rows yet: nothing to fetch
+            assert store.take(layer, 90 + i, wait_s=0.0) is None
+            continue
+        codes, scale, zero, bits = offload.lowbit_keys(ctx.tables, layer, [seq.cache.slot])
+        probs = torch.exp(lowbit_scores(q[i], codes, scale, zero, bits) * ctx.scaling - lse[i, ..., None]).mean(1)
+        off, sinks = seq.plan.offload, seq.offload_state[layer]["sinks"]
+        kk = min(off.top_k, probs.shape[1] - sinks)
+        expect = probs[:, sinks:].topk(min(kk * off.rerank, probs.shape[1] - sinks), dim=-1).indices + sinks
+        if off.rerank > 1:                                               # narrowed by the exact keys
+            keys = store.read(layer)[0].float()
+            pick = torch.softmax(torch.einsum("ghd,gcd->ghc", q[i] * ctx.scaling, keys.gather(
+                1, expect[..., None].expand(-1, -1, d))), -1).mean(1).topk(kk, -1).indices
+            expect = expect.gather(1, pick)
+        got = store.take(layer, 90 + i, wait_s=5.0)
+        assert torch.equal(got.idx.sort(-1).values, expect.sort(-1).values), i
+        store._pending[(layer, 90 + i)] = _done(got)                      # put back for `place`
+    offload.place(ctx, seqs, layer, steps=[90 + i for i in range(len(seqs))])
+    for seq, store in zip(seqs, stores):
+        fetched = seq.offload_state[layer]["fetched"]                    # [H_kv, k] positions
+        if fetched is None:
+            continue
+        k_all, _ = store.read(layer)
+        sinks = seq.offload_state[layer]["sinks"]
+        for h in range(hk):
+            k, _, _ = ctx.tables.stream(layer, seq.cache.slot, h, engine.runner.rope_tables)   # [U, D] as attention sees them
+            assert k.shape[0] == k_all.shape[1]                           # each row seen once: exact or low-bit
+            exact = k_all[h, torch.cat([torch.arange(sinks), fetched[h].long()])].float()   # [sinks + k, D]
+            assert (k[None] == exact[:, None]).all(-1).any(-1).all()      # the sinks and the rows brought, exact
+    engine.run_all()
+    for store in stores:
+        store.release()
+
+
+def _done(value):
+    from concurrent.futures import Future
+    fut = Future()
+    fut.set_result(value)
+    return fut
 
 
 @torch.inference_mode()
