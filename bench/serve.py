@@ -116,7 +116,8 @@ def main(argv=None) -> None:
             runs.append(dict(strategy=strategy, ratio=ratio or (summary["measured_ratio"] if adaptive else 1.0), **summary,
                              cases=[dict(id=s.item.case.id, correct=s.correct, ttft_s=s.ttft_s, tpot_s=s.tpot_s,
                                          tokens=len(s.t_tokens), reserve_ratio=s.result.reserve_ratio if s.result else None,
-                                         error=s.error) for s in sent]))
+                                         kv_risk=s.result.kv_risk if s.result else None,
+                                         kv_at_risk=s.result.kv_at_risk if s.result else None, error=s.error) for s in sent]))
             print(_row(runs[-1], runs), flush=True)
     out = dict(bench="serve", machine=platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
                requests=args.requests, lengths=args.lengths, new_tokens=args.new_tokens, rate=args.rate,
@@ -131,7 +132,7 @@ def main(argv=None) -> None:
 
 
 HEADER = ("| strategy | ratio | budget MiB | decode tok/s | × full | +mixed tok/s | × full | out tok/s | req/s | "
-          "TTFT p50/p99 s | TPOT p50/p99 s | ITL p99 s | e2e p99 s | peak KV / budget | most decoding | done | correct | measured |")
+          "TTFT p50/p99 s | TPOT p50/p99 s | ITL p99 s | e2e p99 s | peak KV / budget | most decoding | done | correct | at risk (wrong) | measured |")
 
 
 def _row(r: dict, runs: list[dict]) -> str:
@@ -142,7 +143,7 @@ def _row(r: dict, runs: list[dict]) -> str:
             f"{r['requests_ps']:.3f} | {r['ttft'][0]:.1f}/{r['ttft'][2]:.1f} | {r['tpot'][0]:.2f}/{r['tpot'][2]:.2f} | "
             f"{r['itl'][2]:.2f} | {r['e2e'][2]:.0f} | {r['peak_kv_bytes'] / r['kv_budget_bytes']:.3f} | "
             f"{r['most_decoding']:.0f} | {r['done']}/{r['requests']} | {r['correct']}/{r['requests']} | "
-            f"{r['measured_ratio']:.3f} |")
+            f"{r['at_risk']} ({r['wrong_at_risk']}/{r['done'] - r['correct']}) | {r['measured_ratio']:.3f} |")
 
 
 def _table(runs: list[dict]) -> str:

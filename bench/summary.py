@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from bench import load
+from bench.risk import auc
 from bench.stack import metric
 from kvcore import model as models
 from kvcore import plan_cost
@@ -39,7 +40,7 @@ def summarize(sent: list[load.Sent], before: dict, after: dict, budget: int) -> 
     tokens = sum(r.result.generated_tokens for r in ok)
     return dict(
         requests=len(sent), done=len(ok), errors=[s.error for s in sent if s.error][:5],
-        correct=sum(s.correct for s in sent),
+        correct=sum(s.correct for s in sent), **risk(ok),
         decode_tps=dec_t / dec_s if dec_s else float("nan"),
         decode_mixed_tps=(dec_t + mix_t) / (dec_s + mix_s) if dec_s + mix_s else float("nan"),
         output_tps=tokens / (end - start), requests_ps=len(ok) / (end - start), makespan_s=end - start,
@@ -55,6 +56,15 @@ def summarize(sent: list[load.Sent], before: dict, after: dict, budget: int) -> 
         prefill_step_s=(d("kvplan_executor_step_seconds_total", kind="prefill")
                         / max(1.0, d("kvplan_executor_steps_total", kind="prefill"))),
     )
+
+
+def risk(ok: list[load.Sent]) -> dict:
+    """The answers' own risk flag (`kv_at_risk`) against their being wrong: how many were flagged,
+    how many of the wrong ones, and the AUC of 1 - kv_risk for right over wrong answers (None when
+    either is empty)."""
+    wrong = [s for s in ok if not s.correct]
+    return dict(at_risk=sum(s.result.kv_at_risk for s in ok), wrong_at_risk=sum(s.result.kv_at_risk for s in wrong),
+                risk_auc=auc([1 - s.result.kv_risk for s in ok if s.correct], [1 - s.result.kv_risk for s in wrong]))
 
 
 def model_shape(mcfg: ModelConfig, chunk: int) -> dict:
