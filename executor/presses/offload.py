@@ -103,12 +103,10 @@ def place(ctx: PressContext, seqs: list, layer: int, steps: list[int]) -> None:
         st["fetched"] = f.idx
     for kk in sorted({f.idx.shape[1] for _, f in got}):
         part = [(seq, f) for seq, f in got if f.idx.shape[1] == kk]
-        tables.write_entries(layer, torch.tensor([seq.cache.slot for seq, _ in part]),
-                             torch.tensor([seq.offload_state[layer]["sinks"] for seq, _ in part]),
-                             torch.stack([f.k for _, f in part]), torch.stack([f.v for _, f in part]))
-        _skips(tables, layer, torch.tensor([seq.cache.slot for seq, _ in part]),
-               torch.tensor([seq.offload_state[layer]["sinks"] for seq, _ in part]),
-               torch.stack([f.idx for _, f in part]))
+        slots = torch.tensor([seq.cache.slot for seq, _ in part])                              # [S]
+        sinks = torch.tensor([seq.offload_state[layer]["sinks"] for seq, _ in part])           # [S]
+        tables.write_entries(layer, slots, sinks, torch.stack([f.k for _, f in part]), torch.stack([f.v for _, f in part]))
+        _skips(tables, layer, slots, sinks, torch.stack([f.idx for _, f in part]))
 
 
 def _fetched_slots(hk: int, sinks: int, kk: int) -> CodedRows:
