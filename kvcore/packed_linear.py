@@ -17,7 +17,12 @@ fp32 accumulation, bf16 out), reading half the weight bytes of fp32; `ONEDNN_VER
 kernel each call takes (tests/kvcore/test_packed_linear.py checks it)."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -51,11 +56,29 @@ class PackedLinear(torch.nn.Module):
 DTYPES = (torch.float32, torch.bfloat16)      # what oneDNN packs here (fp16 linears have no fast CPU kernel)
 
 
+@functools.lru_cache(maxsize=1)
+def packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: only with avx512bw/vl/dq or avx_ne_convert (an
+    AVX2-only host refuses: 'bf16 path needs the cpu support avx_ne_convert or avx512bw, ...')."""
+    if not available():
+        return False
+    try:
+        PackedLinear(torch.nn.Linear(8, 8).bfloat16(), keep_weight=False)(torch.randn(1, 8).bfloat16())
+        return True
+    except RuntimeError:
+        return False
+
+
 def pack(model: torch.nn.Module) -> int:
     """Swap the linears of a CPU fp32 or bf16 causal LM in place -> how many were packed (0: left
-    as they were, where oneDNN is missing or the model is not on the CPU in one of DTYPES)."""
+    as they were, where oneDNN is missing, the model is not on the CPU in one of DTYPES, or it is
+    bf16 on a CPU where oneDNN packs no bf16)."""
     head = model.get_output_embeddings()
     if not available() or head is None or head.weight.device.type != "cpu" or head.weight.dtype not in DTYPES:
+        return 0
+    if head.weight.dtype == torch.bfloat16 and not packs_bf16():
+        log.warning("oneDNN cannot pack bf16 weights on this CPU: the linears stay torch's (bf16 emulated, "
+                    "slower than fp32 here; KVPLAN_COMPUTE_DTYPE=auto picks float32 on such a host)")
         return 0
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()

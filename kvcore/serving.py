@@ -28,8 +28,12 @@ RPC_SECONDS = Histogram("kvplan_rpc_seconds", "RPC handling time (streams: until
 
 
 def channel_options(max_message_mb: int = 256) -> list[tuple[str, int]]:
+    """Message limits, and reconnects at most 2 s apart: a peer that died and came back is
+    reached again within seconds (gRPC's default backoff grows to 120 s, and a caller's health
+    said NOT_SERVING all that while)."""
     limit = max_message_mb << 20
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+            ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class _MetricsInterceptor(grpc.aio.ServerInterceptor):

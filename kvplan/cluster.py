@@ -133,14 +133,14 @@ def _revive(cfg: ClusterConfig, d: Path, members: list[Member], echo, ticker,
     env, by_name = _saved_env(d), {m.name: m for m in members}
     names = [n for n in MEMBERS if n in by_name or n != "redis"]      # (a Redis of its own only if it had one)
     started: list[Member] = []
+    running: list[Member] = []          # alive all along: said once the started ones serve
     try:
         for name in names:
             m = by_name.get(name)
             if m is not None and name in again:
                 stop_all([m])
             if m is not None and is_alive(m.pid):
-                echo(f"kvplan: {name:<10} {member_health(m) if name != 'redis' else 'UP':<12} {m.address}  "
-                     f"pid {m.pid}  (running)")
+                running.append(m)
                 continue
             address = m.address if m is not None else _address(name, env)
             if name != "redis" and not port_free(int(address.rsplit(":", 1)[1])):
@@ -158,6 +158,17 @@ def _revive(cfg: ClusterConfig, d: Path, members: list[Member], echo, ticker,
     except BaseException:
         stop_all(started)
         raise
+    # a member that ran all along may not serve until its dead peer is back (the HTTP API while
+    # its executor was dead): give it the start timeout, so `up` returns on a serving cluster;
+    # one that still does not serve is said as it is (`kvplan status` exits 1 on it)
+    deadline = time.monotonic() + (cfg.start_timeout_s if started else 0)
+    for m in running:
+        health = "UP" if m.name == "redis" else member_health(m)
+        while health != "SERVING" and m.name != "redis" and time.monotonic() < deadline and is_alive(m.pid):
+            ticker.say(f"waiting for the {m.name} to serve again")
+            time.sleep(0.3)
+            health = member_health(m)
+        echo(f"kvplan: {m.name:<10} {health:<12} {m.address}  pid {m.pid}  (running)")
     if not started:
         echo(f"kvplan: the cluster is up, nothing to start (state in {d}); `kvplan restart NAME` restarts one "
              "member, `kvplan down` stops it")

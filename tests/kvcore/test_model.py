@@ -12,12 +12,15 @@ from executor import prompt as prompts
 from executor.engine import Sampling
 from executor.runner import Runner
 from kvcore import model as models
+from kvcore import packed_linear
 from kvcore.packed_linear import PackedLinear
 from planner.probe import Prober
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not packed_linear.packs_bf16(),
+                                 reason="oneDNN packs no bf16 on this CPU (AVX2 only): auto computes in fp32 here")]
 
 FACTS = ("The lighthouse on Corvo island was built in 1911 and its lamp was first lit by Maria Sousa. "
          "The ferry to Flores leaves at 08:30 on weekdays and carries at most 140 passengers. "

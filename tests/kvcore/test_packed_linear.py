@@ -13,17 +13,7 @@ from kvcore.packed_linear import PackedLinear, pack
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packed linear")
 
 
-def _onednn_packs_bf16() -> bool:
-    """oneDNN packs bf16 weights only with avx512bw/vl/dq or avx_ne_convert (an AVX2-only host refuses:
-    'bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq')."""
-    try:
-        PackedLinear(torch.nn.Linear(8, 8).bfloat16(), keep_weight=False)(torch.randn(1, 8).bfloat16())
-        return True
-    except RuntimeError:
-        return False
-
-
-needs_bf16_packing = pytest.mark.skipif(not _onednn_packs_bf16(), reason="oneDNN cannot pack bf16 weights on this CPU")
+needs_bf16_packing = pytest.mark.skipif(not packed_linear.packs_bf16(), reason="oneDNN cannot pack bf16 weights on this CPU")
 
 
 @pytest.mark.parametrize("rows", [1, 4, 17, 600])
@@ -59,6 +49,17 @@ def test_nothing_is_swapped_off_cpu_fp32_or_bf16():
     lm.get_output_embeddings = lambda: lin
     lm.lin = lin
     assert pack(lm) == 0 and type(lm.lin) is torch.nn.Linear
+
+
+def test_a_bf16_model_is_left_unpacked_where_onednn_packs_no_bf16(monkeypatch, caplog):
+    monkeypatch.setattr(packed_linear, "packs_bf16", lambda: False)       # an AVX2-only CPU
+    lm = torch.nn.Module()
+    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    lm.get_output_embeddings = lambda: lin
+    lm.get_input_embeddings = lambda: torch.nn.Embedding(4, 8)
+    lm.lin = lin
+    assert pack(lm) == 0 and type(lm.lin) is torch.nn.Linear
+    assert "cannot pack bf16" in caplog.text
 
 
 @needs_bf16_packing
