@@ -57,8 +57,19 @@ def command(peer: str, peers_dir: Path, extra: list[str]) -> list[str]:
         sys.exit(f"bench.peers: {python} is not here: set the peer up first ({path.parent / 'README.md'})")
     cmd = [str(python), str(path), "--checkout", str(ROOT)]
     if peer == "vllm":
-        cmd += ["--project-python", sys.executable]
+        cmd += ["--jobs", str(vllm_jobs(extra))]
     return cmd + extra
+
+
+def vllm_jobs(extra: list[str]) -> Path:
+    """The jobs vLLM's script sends, written by `bench.peer_jobs` from the workload arguments in
+    `extra` (--requests, --lengths, --new-tokens, --budget-jobs, --max-batched-tokens) into its
+    --out folder -> the JSONL's path (the script's own exporter imports modules that moved)."""
+    from bench import peer_jobs
+    ns, _ = peer_jobs.parser().parse_known_args(["--out", str(RESULTS["vllm"]), *extra])
+    ns.out = Path(ns.out) / "jobs.jsonl"
+    peer_jobs.export(ns)
+    return ns.out
 
 
 def run(peer: str, peers_dir: Path, extra: list[str]) -> int:

@@ -92,7 +92,7 @@ class Result:
                        f"at least {self.budget_floor_tokens} of the {self.prompt_tokens} prompt tokens per KV head "
                        f"(window, sinks, or no compression), and each generated token's row comes on top; "
                        f"measured at its end, after {self.generated_tokens} tokens, it held {self.reserve_ratio:.3f}")
-        elif ratio is not None and self.reserve_ratio > ratio + 1e-3:
+        elif ratio is not None and ratio < 1 and self.reserve_ratio > ratio + 1e-3:     # (at 1: the last blocks, _blocks says)
             out.append(f"job {self.job_id} held reserve ratio {self.reserve_ratio:.3f}, above the {ratio:g} asked")
         if self.kv_at_risk:
             out.append(f"job {self.job_id}'s answer is AT RISK from its compression ({self.strategy}, reserve ratio "

@@ -39,9 +39,11 @@ FAKE_VLLM = '''
 import argparse, json, sys
 from pathlib import Path
 ap = argparse.ArgumentParser()
-for a in ("--checkout", "--project-python", "--dtype", "--kv-cache-dtype", "--out", "--tag", "--requests"):
+for a in ("--checkout", "--jobs", "--dtype", "--kv-cache-dtype", "--out", "--tag", "--requests", "--lengths"):
     ap.add_argument(a)
 a = ap.parse_args()
+lines = [json.loads(s) for s in open(a.jobs)]                   # the jobs bench.peers wrote for it
+assert "kv_budget_bytes" in lines[0]["header"] and len(lines) == 1 + int(a.requests), lines[0]
 if a.kv_cache_dtype == "fp8" and a.dtype == "float32":
     sys.exit("fp8 KV refused")                                   # this configuration does not start
 tps = {"bfloat16": 60.0, "float32": 45.0}[a.dtype] * (2 if a.kv_cache_dtype == "fp8" else 1)
@@ -59,12 +61,15 @@ def test_best_vllm_keeps_the_fastest_configuration_that_starts(tmp_path, monkeyp
     out = tmp_path / "results"
     with pytest.raises(SystemExit) as done:
         peers.main(["best", "vllm", "--peers-dir", str(peers_dir), "--dtypes", "float32", "bfloat16",
-                    "--out", str(out), "--requests", "3"])
+                    "--out", str(out), "--requests", "3", "--lengths", "300"])
     assert done.value.code == 0
     best = json.loads((out / "best_vllm.json").read_text())
     tried = [(c["dtype"], c["kv"], c["started"]) for c in best["candidates"]]
     assert tried == [("float32", "fp8", False), ("float32", "auto", True), ("bfloat16", "fp8", True)]
     assert (best["best"]["dtype"], best["best"]["kv"], best["best"]["output_tps"]) == ("bfloat16", "fp8", 120.0)
+    jobs = [json.loads(s) for s in (out / "jobs.jsonl").read_text().splitlines()]
+    assert jobs[0]["header"]["requests"] == 3 and [j["max_tokens"] for j in jobs[1:]] == [256] * 3
+    assert all(j["prompt_tokens"] == len(j["prompt_token_ids"]) > 200 and j["answer"] in j["prompt"] for j in jobs[1:])
     assert best["host"]["cpu"] and "native_bf16" in best["host"] and best["host_line"]
     assert "bfloat16 fp8: 120.00 out tok/s  <- best" in capsys.readouterr().out
     peers.main(["table", "--vllm", str(out / "best_vllm.json")])
@@ -81,7 +86,8 @@ def test_best_fails_plainly_when_nothing_starts(tmp_path, monkeypatch):
     (peers_dir / "vllm" / "run_vllm_peer.py").write_text("import sys; sys.exit(3)")
     monkeypatch.setitem(peers.SCRIPTS, "vllm", ("vllm/run_vllm_peer.py", peers.Path(peers.sys.executable)))
     with pytest.raises(SystemExit) as done:
-        peers.main(["best", "vllm", "--peers-dir", str(peers_dir), "--out", str(tmp_path / "r")])
+        peers.main(["best", "vllm", "--peers-dir", str(peers_dir), "--out", str(tmp_path / "r"), "--requests", "2",
+                    "--lengths", "300"])
     assert done.value.code == 1
     best = json.loads((tmp_path / "r" / "best_vllm.json").read_text())
     assert best["best"] is None and len(best["candidates"]) == 4 and not any(c["started"] for c in best["candidates"])

@@ -111,6 +111,18 @@ def test_a_clean_job_has_no_warning_and_strict_exits_0(fake, capsys):
     assert fake.script.requests[0].budget.reserve_ratio == pytest.approx(0.2)
 
 
+def test_a_full_cache_over_1_by_its_last_blocks_is_said_but_not_warned(fake, capsys):
+    fake.script.events = events((1, ["Hi"]), result=result("Hi", strategy="full", budget_met=True, prompt_tokens=52,
+                                                           kv_bytes=1008, reserve_ratio=1.008))
+    assert cli.main(["generate", "--strict", "--strategy", "full", "--ratio", "1", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "reserve ratio 1.008, above 1: the pool holds whole blocks" in err
+    fake.script.events = events((1, ["Hi"]), result=result("Hi", strategy="snapkv", budget_met=True, prompt_tokens=52,
+                                                           kv_bytes=508, reserve_ratio=0.508))
+    assert cli.main(["generate", "--strict", "--strategy", "snapkv", "--ratio", "0.5", "hi"]) == 3
+    assert "held reserve ratio 0.508, above the 0.5 asked" in capsys.readouterr().err
+
+
 def test_a_budget_refused_once_planned_exits_2_naming_the_flag(fake, capsys):
     why = ("auto cannot hold reserve ratio 0.3 on this job (412 prompt tokens, 128 new tokens): the budget leaves "
            "the prompt 19 tokens per KV head; reserve ratio 0.34 fits")
