@@ -1,7 +1,7 @@
 """The serving bench's jobs as JSONL for a peer server (vLLM) to send the same prompts: what
 `../shared/peers/vllm/export_jobs.py` writes, written here from this checkout's own modules (that
-script still imports `kvplan.model` and `kvplan.config`, which moved to `kvcore/`; its folder is
-read-only), and handed to the peer's script with `--jobs`.
+script still imports the model and config modules from their old home in kvplan/, since moved to
+kvcore/; its folder is read-only), and handed to the peer's script with `--jobs`.
 
     python -m bench.peer_jobs --out jobs.jsonl [--requests 20] [--lengths 3500] [--new-tokens 256]
                               [--budget-jobs 4] [--max-batched-tokens 512]
