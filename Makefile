@@ -28,7 +28,7 @@ run: setup
 
 test: setup
 	@command -v redis-server >/dev/null || { echo "redis-server is needed by the integration tests: apt-get install -y redis-server"; exit 1; }
-	$(BIN)/python -m pytest -q -m "not soak"
+	$(BIN)/python -m pytest -q -m "not soak" --durations=20
 
 # The chaos soak (tests/test_soak.py, ~6 min): faults injected into a `kvplan up` cluster under load.
 soak: setup
