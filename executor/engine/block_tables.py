@@ -396,6 +396,11 @@ class BlockTables:
             rows.index_copy_(0, at.reshape(-1).to(dev), x.reshape(-1, d).to(self.dtype).to(dev))
 
     # -- reading --------------------------------------------------------------------------------
+    def quant_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """slots [S] -> [S] int64: the rows each one's quant pages of `layer` hold (0: none)."""
+        form = self.qform[layer].index_select(0, slots).long()
+        return (self.qn[layer].index_select(0, slots)[:, 0] * self.form_rows[form]).long()
+
     def dense(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A dense layer's rows (every head the same span, no other part) -> K, V [H, T, D] stored dtype."""
         lay = self.layout

@@ -58,7 +58,7 @@ def press(ctx: PressContext, seq, layer: int, lp: LayerPlan, q, k, v, later_k=No
     kk, vv = k.to(tables.dtype), v.to(tables.dtype)
     seq.store.put(layer, kk, vv)
     tables.store_quant(layer, slot, kk, vv, fid, off.recent_window)
-    quantized = int(tables.qn[layer, slot, 0]) * tables.layout.quant_forms[fid].rows
+    quantized = int(tables.quant_rows(layer, torch.tensor([slot]))[0])
     sinks = min(off.sink_tokens, quantized)
     tables.store_coded(layer, slot, _slots(off, sinks, kk[:, :sinks], vv[:, :sinks]), replace=False)
     seq.offload_state[layer] = {"sinks": sinks, "fetched": None}
@@ -73,8 +73,7 @@ def _skip(tables, layer: int, slot: int, sinks: int, idx: torch.Tensor | None) -
 def _skips(tables, layer: int, slots: torch.Tensor, sinks: torch.Tensor, idx: torch.Tensor | None) -> None:
     """Each sequence's skip page, in one write: slots, sinks [S]; its sinks and its prefetched rows
     idx [S, H_kv, k] (positions) of its low-bit copy (those past its quant rows not marked)."""
-    fids = tables.qform[layer].index_select(0, slots).long()                                 # [S]
-    q = (tables.qn[layer].index_select(0, slots)[:, 0] * tables.form_rows[fids]).long()      # [S] quant rows
+    q = tables.quant_rows(layer, slots)                                                      # [S]
     width = max(int(q.max()), 1)
     rows = (torch.arange(width) < sinks[:, None]).repeat_interleave(tables.H, 0)
     rows = rows.view(len(slots), tables.H, width)                                            # [S, H_kv, longest Q]
@@ -165,9 +164,7 @@ def _select_form(ctx: PressContext, seqs: list, layer: int, q: torch.Tensor, lse
     scores = lowbit_scores(q.reshape(s * hk, hn, d).float(), codes, scale, zero, bits) * ctx.scaling  # [S·H_kv, h_n, Q]
     logp = scores.view(s, hk, hn, -1) - lse[..., None].to(scores.device)
     mean = torch.logsumexp(logp, dim=2)                                  # [S, H_kv, Q] log of the group mean (·h_n)
-    sl = torch.tensor(slots)
-    fid = int(tables.qform[layer, slots[0]])
-    qn = (tables.qn[layer].index_select(0, sl)[:, 0] * tables.layout.quant_forms[fid].rows).tolist()   # [S] rows
+    qn = tables.quant_rows(layer, torch.tensor(slots)).tolist()                              # [S] rows
     sinks = [seq.offload_state[layer]["sinks"] for seq in seqs]
     cols = torch.arange(mean.shape[-1], device=mean.device)
     lo = torch.tensor(sinks, device=mean.device)[:, None, None]
