@@ -14,7 +14,6 @@ queue, and its queue calls wait for Redis (docs/operations.md, Redis outages).""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -77,25 +76,29 @@ class Worker:
         self.cachestore, self.executor_id = cachestore, executor_id
         self.jobs: dict[str, Job] = {}
         self._stopping = asyncio.Event()
-        self._work = asyncio.Event()             # set when the engine has something new
+        self._work = threading.Event()           # set when the engine has something new (from any thread)
+        self._halt = threading.Event()           # the engine thread ends at its next look
         self._depth = 0                          # jobs waiting or running in the queue, as last counted
         self._tenant_seen: dict[str, float] = {}  # tenant -> when it last had a job here (monotonic)
-        # Every step on one thread: torch's OpenMP team belongs to the thread that calls it, and a
-        # step hopping between pool threads left idle teams spinning against the working one
-        # (docs/benchmarks.md, "Figures behind the code").
-        self._stepper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplan-engine")
+
 
     # -- the loops ------------------------------------------------------------------------------
     async def run_forever(self) -> None:
         """Claim and run jobs until `stop()`; then until the running jobs ended (or were abandoned)."""
-        steps = asyncio.create_task(self._engine_loop())
+        # Every step on one thread of its own, stepping back to back while there is work: torch's
+        # OpenMP team belongs to the thread that calls it (a step hopping between pool threads left
+        # idle teams spinning against the working one: docs/benchmarks.md, "Figures behind the
+        # code"), and a step never waits for this event loop to hand it the next one.
+        stepper = threading.Thread(target=self._step_forever, args=(asyncio.get_running_loop(),),
+                                   name="kvplan-engine", daemon=True)
+        stepper.start()
         try:
             await self._intake()
             while self.jobs:
                 await asyncio.sleep(0.05)
         finally:
-            steps.cancel()
-            self._stepper.shutdown(wait=False)
+            self._halt.set()
+            self._work.set()
 
     async def _intake(self) -> None:
         PATIENCE.set(INTAKE_PATIENCE_S)           # a claim waits this long for Redis, so stop() is heard
@@ -145,28 +148,37 @@ class Worker:
             return frozenset()
         return frozenset(t for t, n in held.items() if n >= self.cfg.tenant_max_jobs)
 
-    async def _engine_loop(self) -> None:
-        while True:
+    def _step_forever(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The engine thread: step while there is work; after each step its metrics, and what the
+        event loop does with it (`_after_step`), handed over without waiting for it."""
+        while not self._halt.is_set():
             if not self.engine.has_work():
+                self._work.wait(1.0)          # news sets it; the second is a safety net
                 self._work.clear()
-                await self._work.wait()
                 continue
             self._work.clear()
             try:
-                finished = await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.step)
+                finished = self.engine.step()
             except Exception:
                 log.exception("engine step failed; failing its jobs")
                 finished = self._fail_running()
             observe_usage(self.engine)
-            self._make_room()
+            blocked = self.engine.blocked()
+            try:
+                loop.call_soon_threadsafe(self._after_step, finished, blocked)
+            except RuntimeError:                   # the loop is closed: the executor is gone
+                return
             if not self.engine.stats.last[0] and not finished:
                 # nothing could run (jobs wait for a plan, or for room): wait for news, do not spin
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._work.wait(), IDLE_WAIT_S)
-            for seq in finished:
-                job = self.jobs.get(seq.job_id)
-                if job is not None:
-                    asyncio.create_task(self._complete(job))
+                self._work.wait(IDLE_WAIT_S)
+
+    def _after_step(self, finished: list[Sequence], blocked: list[Sequence]) -> None:
+        """On the event loop, after a step: room asked for the blocked jobs, the finished ones completed."""
+        self._make_room(blocked)
+        for seq in finished:
+            job = self.jobs.get(seq.job_id)
+            if job is not None:
+                asyncio.create_task(self._complete(job))
 
     def stop(self) -> None:
         """Claim nothing new; the running jobs may finish."""
@@ -177,6 +189,7 @@ class Worker:
         for job in self.jobs.values():
             job.lost = True
             job.stop.set()
+        self._work.set()
 
     # -- one job --------------------------------------------------------------------------------
     async def _start(self, claim: Claim) -> None:
@@ -326,12 +339,13 @@ class Worker:
         self.engine.apply_plan(job.seq, job.outcome.plan, store)
         self._work.set()
 
-    def _make_room(self) -> None:
-        """Jobs wait for bytes: ask the planner for a lower plan of each dense running job planned
-        adaptively at 1.0 above its floor (compress instead of preempt) — once per job while the
-        jobs sharing the budget stay as many; it asks again when more come."""
+    def _make_room(self, blocked: list[Sequence]) -> None:
+        """Jobs wait for bytes (`blocked`: the engine's dense running jobs that could shrink): ask the
+        planner for a lower plan of each planned adaptively at 1.0 above its floor (compress instead
+        of preempt) — once per job while the jobs sharing the budget stay as many; it asks again
+        when more come."""
         sharing = self._sharing()
-        for seq in self.engine.blocked():
+        for seq in blocked:
             job = self.jobs.get(seq.job_id)
             if job is None or job.stats is None or job.shrink_asked >= sharing or not _may_shrink(job):
                 continue

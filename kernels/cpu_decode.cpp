@@ -938,6 +938,7 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 void write_kv(torch::Tensor rows, torch::Tensor at, torch::Tensor k, torch::Tensor v, int64_t R);
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor arena, torch::Tensor table, torch::Tensor kv_len,
                             torch::Tensor q_start, int64_t page_rows, double scaling);   // cpu_prefill.cpp
+bool prefill_tiles(int64_t mode);                                                          // cpu_prefill.cpp
 torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> bits,
                               std::vector<int64_t> rows, std::vector<int64_t> vgroups, int64_t wq,
                               double scaling);                                             // cpu_quant_attention.cpp
@@ -949,6 +950,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("write_kv", &write_kv, "a step's K/V rows into the pool's fp16 rows");
   m.def("paged_prefill", &paged_prefill, "causal prefill attention of packed segments over the pool's pages");
+  m.def("prefill_tiles", &prefill_tiles, "bf16 prefill on AMX tiles: -1 where the CPU has them, 0 never -> taken?");
   m.def("quant_attention", &quant_attention, "last queries' attention over K/V quantized on the fly, per width");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");

@@ -23,6 +23,7 @@
 // rounded up to 16), R rows a page holds, S segments, MB table width.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -43,7 +44,7 @@ using flash::NV;
 using flash::accumulate;
 using flash::scores;
 using flash::softmax_block;
-constexpr int64_t BQ = 32;    // query positions a task takes (times h_n query heads)
+constexpr int64_t BQ = 64;    // query positions a task takes (times h_n query heads)
 
 struct Task {
   int64_t s, g, j0, nj;       // segment, KV head, first query position (of the segment's n_s), positions
@@ -52,11 +53,11 @@ struct Task {
 
 struct Scratch {              // one thread's buffers, sized once per call
   std::vector<float> q, acc, p, kt, vb, m, l;
-  std::vector<uint32_t> q2, kt2, vb2;   // the bf16 path: pairs of bf16 in a 32-bit word (what VDPBF16PS reads)
+  std::vector<uint32_t> q2;            // the bf16 path: pairs of bf16 in a 32-bit word (what VDPBF16PS reads)
   std::vector<uint16_t> p2;
   Scratch(int64_t M, int64_t D, int64_t Dp)
       : q(M * Dp), acc(M * Dp), p(M * KB), kt(D * KB), vb(KB * Dp), m(M), l(M),
-        q2(M * ((D + 1) / 2)), kt2((D + 1) / 2 * KB), vb2(KB / 2 * Dp), p2(M * KB) {}
+        q2(M * ((D + 1) / 2)), p2(M * KB) {}
 };
 
 struct Problem {
@@ -109,11 +110,11 @@ inline __m512i bf16_lanes(const at::Half* p) { return _mm512_cvtepu16_epi32(kvpl
 
 // key rows [k0, k0 + nk) into kt2 [D2, KB] (word (d', r): K[r][2d'], K[r][2d' + 1]) and vb2 [KB / 2, Dp]
 // (word (r', c): V[2r'][c], V[2r' + 1][c]); what nk leaves zero (rows past nk are never read)
-void load_block_bf16(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, Scratch& sc) {
-  const int64_t D = pr.D, Dp = pr.Dp, R = pr.R;
-  std::fill(sc.vb2.begin(), sc.vb2.end(), 0u);
-  if (nk < KB || D % 2) std::fill(sc.kt2.begin(), sc.kt2.end(), 0u);
-  auto* v16 = reinterpret_cast<uint16_t*>(sc.vb2.data());
+void load_block_bf16(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, uint32_t* kt2, uint32_t* vb2) {
+  const int64_t D = pr.D, Dp = pr.Dp, R = pr.R, D2 = (D + 1) / 2;
+  std::fill(vb2, vb2 + KB / 2 * Dp, 0u);
+  if (nk < KB || D % 2) std::fill(kt2, kt2 + D2 * KB, 0u);
+  auto* v16 = reinterpret_cast<uint16_t*>(vb2);
   for (int64_t r = 0; r < nk; ++r) {
     const int64_t row = k0 + r;
     const at::Half* k = pr.rows + ((int64_t)trow[row / R] * 2 * R + row % R) * D;
@@ -123,13 +124,13 @@ void load_block_bf16(const Problem& pr, const int32_t* trow, int64_t k0, int64_t
     for (; d + 16 <= D; d += 16) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(kb), kvplan::bf16_bits(kvplan::load16(k + d)));
       const uint32_t* w = reinterpret_cast<const uint32_t*>(kb);
-      for (int64_t i = 0; i < 8; ++i) sc.kt2[(d / 2 + i) * KB + r] = w[i];
+      for (int64_t i = 0; i < 8; ++i) kt2[(d / 2 + i) * KB + r] = w[i];
       const __m512i vv = bf16_lanes(v + d);                                 // into the pair's half r % 2
-      uint32_t* dst = sc.vb2.data() + (r / 2) * Dp + d;
+      uint32_t* dst = vb2 + (r / 2) * Dp + d;
       _mm512_storeu_si512(dst, _mm512_or_si512(_mm512_loadu_si512(dst), r % 2 ? _mm512_slli_epi32(vv, 16) : vv));
     }
     for (; d < D; ++d) {
-      auto* k16 = reinterpret_cast<uint16_t*>(sc.kt2.data() + (d / 2) * KB + r);
+      auto* k16 = reinterpret_cast<uint16_t*>(kt2 + (d / 2) * KB + r);
       k16[d % 2] = kvplan::bf16(static_cast<float>(k[d])).x;
       v16[((r / 2) * Dp + d) * 2 + r % 2] = kvplan::bf16(static_cast<float>(v[d])).x;
     }
@@ -182,17 +183,87 @@ inline void accumulate_bf16(float* acc, int64_t Dp, const uint16_t* p2, const fl
         if (v < nc) _mm512_storeu_ps(acc + x * Dp + c + 16 * v, a[x][v]);
   }
 }
+// Every stream's key blocks in bf16 pairs, converted once per call (a stream's blocks are read by
+// each of its query tiles): stream (s, g)'s block b at data + (first[s·H_kv + g] + b)·(KT + VB), its
+// kt2 [D2, KB] then its vb2 [KB / 2, Dp] words (`load_block_bf16`).
+struct Blocks {
+  int64_t KT, VB;
+  std::vector<int64_t> first;   // [S·H_kv + 1] a stream's first block
+  std::vector<uint32_t> data;
+  const uint32_t* kt2(int64_t stream, int64_t b) const { return data.data() + (first[stream] + b) * (KT + VB); }
+  const uint32_t* vb2(int64_t stream, int64_t b) const { return kt2(stream, b) + KT; }
+};
+
+Blocks convert_blocks(const Problem& pr, int64_t S, int64_t Hk) {
+  Blocks bl{(pr.D + 1) / 2 * KB, KB / 2 * pr.Dp, std::vector<int64_t>(S * Hk + 1, 0), {}};
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t g = 0; g < Hk; ++g) bl.first[s * Hk + g + 1] = bl.first[s * Hk + g] + (pr.kv_len[s] + KB - 1) / KB;
+  const int64_t total = bl.first.back();
+  bl.data.resize(total * (bl.KT + bl.VB));
+  at::parallel_for(0, total, 16, [&](int64_t b0, int64_t b1) {
+    int64_t stream = std::upper_bound(bl.first.begin(), bl.first.end(), b0) - bl.first.begin() - 1;
+    for (int64_t b = b0; b < b1; ++b) {
+      while (bl.first[stream + 1] <= b) ++stream;
+      const int64_t k0 = (b - bl.first[stream]) * KB, len = pr.kv_len[stream / Hk];
+      uint32_t* kt2 = bl.data.data() + b * (bl.KT + bl.VB);
+      load_block_bf16(pr, pr.table + stream * pr.MB, k0, std::min(KB, len - k0), kt2, kt2 + bl.KT);
+    }
+  });
+  return bl;
+}
+
+// The tile path (bf16 queries on a CPU with AMX): the block's two products as oneDNN brgemm calls
+// through torch (`at::native::cpublas::brgemm`, AMX tiles: bf16 products, fp32 sums) over the same
+// operands the VDPBF16PS path builds — kt2 and vb2 are already the pair-interleaved ("VNNI") B
+// layout a bf16 brgemm reads, the queries and probabilities plain bf16 rows. S = Q·Kᵀ for all M rows
+// [M, KB], then each row's online softmax, the accumulators rescaled, P rounded to bf16, O += P·V.
+// `tiles()` decides once per process (torch's own probe: whether a bf16 brgemm packs to VNNI, i.e.
+// runs on AMX); the result differs from the VDPBF16PS path's in summation order only.
+int tiles_mode = -1;          // -1: AMX where the CPU has it; 0: never (`prefill_tiles`, for the tests)
+
+bool tiles() {
+  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  return amx && tiles_mode != 0;
+}
+
+inline void scale_rows(float* p, int64_t n, float scaling) {
+  const __m512 sc = _mm512_set1_ps(scaling);
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(p + i, _mm512_mul_ps(_mm512_loadu_ps(p + i), sc));
+}
+
+// one key block of a tile of M rows: scores, softmax, P·V; `first` the tile's first position
+void tile_block(const Problem& pr, int64_t M, int64_t first, int64_t k0, int64_t nk, const uint32_t* kt2,
+                const uint32_t* vb2, Scratch& sc) {
+  const int64_t Dp = pr.Dp, D2 = (pr.D + 1) / 2, hn = pr.hn;
+  using BF = at::BFloat16;
+  float* p = sc.p.data();
+  at::native::cpublas::brgemm(M, KB, 2 * D2, 2 * D2, KB, KB, false, reinterpret_cast<const BF*>(sc.q2.data()),
+                              reinterpret_cast<const BF*>(kt2), p, true);
+  for (int64_t i = 0; i < M; ++i) {
+    float* row = p + i * KB;
+    scale_rows(row, KB, pr.scaling);
+    const int64_t seen = std::min(nk, first + i / hn - k0 + 1);
+    const float alpha = softmax_block(row, seen, sc.m[i], sc.l[i]);
+    if (alpha != 1.f) scale_rows(sc.acc.data() + i * Dp, Dp, alpha);
+    uint16_t* p2 = sc.p2.data() + i * KB;
+    for (int v = 0; v < NV; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + 16 * v), kvplan::bf16_bits(_mm512_loadu_ps(row + 16 * v)));
+  }
+  at::native::cpublas::brgemm(M, Dp, KB, KB, Dp, Dp, true, reinterpret_cast<const BF*>(sc.p2.data()),
+                              reinterpret_cast<const BF*>(vb2), sc.acc.data(), true);
+}
 #endif
 
 // one task: rows (position j, head hh) as row i = j·h_n + hh of the tile
 template <typename T>
-void run_task(const Problem& pr, const Task& t, const T* q, T* out, Scratch& sc) {
+void run_task(const Problem& pr, const Task& t, const Blocks& bl, const T* q, T* out, Scratch& sc) {
   const int64_t D = pr.D, Dp = pr.Dp, hn = pr.hn, H = pr.H, D2 = (D + 1) / 2;
   const int64_t q0 = pr.q_start[t.s], n = pr.q_start[t.s + 1] - q0, len = pr.kv_len[t.s];
   const int64_t M = t.nj * hn, first = len - n + t.j0;          // the tile's first position
   const int32_t* trow = pr.table + (t.s * (H / hn) + t.g) * pr.MB;
 #ifdef KVPLAN_DPBF16
   constexpr bool pairs = std::is_same<T, kvplan::bf16>::value;  // bf16 queries: the VDPBF16PS path
+  const bool amx = pairs && tiles();                            // ... or AMX tiles where the CPU has them
 #else
   constexpr bool pairs = false;
 #endif
@@ -220,11 +291,16 @@ void run_task(const Problem& pr, const Task& t, const T* q, T* out, Scratch& sc)
     const int64_t nk = std::min(KB, last + 1 - k0);
     float* p = sc.p.data();
 #ifdef KVPLAN_DPBF16
+    const int64_t stream = t.s * (H / hn) + t.g;
+    const uint32_t *kt2 = pairs ? bl.kt2(stream, k0 / KB) : nullptr, *vb2 = pairs ? bl.vb2(stream, k0 / KB) : nullptr;
+    if (pairs && amx) {
+      tile_block(pr, M, first, k0, nk, kt2, vb2, sc);
+      continue;
+    }
     if (pairs) {
-      load_block_bf16(pr, trow, k0, nk, sc);
       int64_t i = 0;
-      for (; i + 4 <= M; i += 4) scores_bf16<4>(sc.q2.data() + i * D2, D2, sc.kt2.data(), D2, pr.scaling, p + i * KB);
-      for (; i < M; ++i) scores_bf16<1>(sc.q2.data() + i * D2, D2, sc.kt2.data(), D2, pr.scaling, p + i * KB);
+      for (; i + 4 <= M; i += 4) scores_bf16<4>(sc.q2.data() + i * D2, D2, kt2, D2, pr.scaling, p + i * KB);
+      for (; i < M; ++i) scores_bf16<1>(sc.q2.data() + i * D2, D2, kt2, D2, pr.scaling, p + i * KB);
     }
 #endif
     if (!pairs) {
@@ -250,8 +326,8 @@ void run_task(const Problem& pr, const Task& t, const T* q, T* out, Scratch& sc)
           for (int v = 0; v < NV; ++v)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + x * KB + 16 * v),
                                 kvplan::bf16_bits(_mm512_loadu_ps(p + (i + x) * KB + 16 * v)));
-        if (rows == 2) accumulate_bf16<2>(acc, Dp, p2, alpha, sc.vb2.data(), upto);
-        else accumulate_bf16<1>(acc, Dp, p2, alpha, sc.vb2.data(), upto);
+        if (rows == 2) accumulate_bf16<2>(acc, Dp, p2, alpha, vb2, upto);
+        else accumulate_bf16<1>(acc, Dp, p2, alpha, vb2, upto);
         continue;
       }
 #endif
@@ -333,16 +409,35 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor arena, torch::Tensor 
   const auto plan = assign(tasks, threads);
   auto body = [&](auto tag) {
     using T = decltype(tag);
+#ifdef KVPLAN_DPBF16
+    const Blocks bl = std::is_same<T, kvplan::bf16>::value ? convert_blocks(pr, S, Hk) : Blocks{};
+#else
+    const Blocks bl{};
+#endif
     const T* qp = reinterpret_cast<const T*>(q.data_ptr());
     T* op = reinterpret_cast<T*>(out.data_ptr());
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
       Scratch sc(BQ * hn, D, pr.Dp);
       for (int64_t th = b; th < e; ++th)
-        for (int64_t i : plan[th]) run_task<T>(pr, tasks[i], qp, op, sc);
+        for (int64_t i : plan[th]) run_task<T>(pr, tasks[i], bl, qp, op, sc);
+#ifdef KVPLAN_DPBF16
+      if (std::is_same<T, kvplan::bf16>::value && tiles()) at::native::cpublas::brgemm_release(true);
+#endif
     });
   };
   if (qt == torch::kFloat) body(float{});
   else if (qt == torch::kBFloat16) body(kvplan::bf16{});
   else body(kvplan::f16{});
   return out;
+}
+
+// the AMX tile path of bf16 queries: mode -1 where the CPU has AMX (the default), 0 never (the
+// VDPBF16PS path) -> whether calls now take it (the tests run both paths where both exist)
+bool prefill_tiles(int64_t mode) {
+#ifdef KVPLAN_DPBF16
+  tiles_mode = (int)mode;
+  return tiles();
+#else
+  return false;
+#endif
 }

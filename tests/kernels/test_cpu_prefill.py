@@ -3,7 +3,8 @@ against the torch reference (`kernels.paged_prefill.paged_prefill_reference`) on
 to the contract (`tests.kernels.test_paged_prefill.build`: pages in a shuffled order, every byte no
 stream owns NaN; the kernel allocates its output, so a row it forgot shows as a mismatch): odd shapes (a head dim that is no
 multiple of 16, 8-row pages, no GQA), chunks continuing a stored context over several query tiles
-and key blocks, one-row and empty segments, fp32/bf16/fp16 queries, any thread count; and bad
+and key blocks, one-row and empty segments, fp32/bf16/fp16 queries (bf16 on AMX tiles and on
+VDPBF16PS vectors where the CPU has both), any thread count; and bad
 arguments refused by the kernel itself."""
 from __future__ import annotations
 
@@ -38,7 +39,18 @@ def case(request, monkeypatch):
     return request.param, args
 
 
-def test_kernel_matches_the_reference(case):
+@pytest.fixture(params=["tiles", "vector"])
+def path(request):
+    """bf16 queries on AMX tiles (oneDNN brgemm) or on VDPBF16PS vectors: both where the CPU has AMX."""
+    amx = ext.prefill_tiles(-1)
+    if request.param == "tiles" and not amx:
+        pytest.skip("no AMX on this CPU: bf16 prefill takes the vector path only")
+    ext.prefill_tiles(-1 if request.param == "tiles" else 0)
+    yield request.param
+    ext.prefill_tiles(-1)
+
+
+def test_kernel_matches_the_reference(case, path):
     name, args = case
     q = args[0]
     out = ext.paged_prefill(*args)
@@ -49,8 +61,9 @@ def test_kernel_matches_the_reference(case):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_rows_do_not_depend_on_the_thread_count(threads):
-    args, _ = tp.build("smol_fp32")
+@pytest.mark.parametrize("kind", ["smol_fp32", "smol_bf16"])
+def test_rows_do_not_depend_on_the_thread_count(threads, kind):
+    args, _ = tp.build(kind)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
