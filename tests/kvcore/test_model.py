@@ -13,7 +13,7 @@ from executor.engine import Sampling
 from executor.runner import Runner
 from kvcore import model as models
 from kvcore import packed_linear
-from kvcore.packed_linear import PackedLinear
+from kvcore.packed_linear import FusedLinear, PackedLinear
 from planner.probe import Prober
 from planner.request import ModelShape, PlanInput
 from planner.strategies import STRATEGIES
@@ -37,22 +37,30 @@ def bf16_model(model_cfg, real_model_dir):
 def test_a_bf16_load_is_bf16_packed_and_stores_fp16_kv(bf16_model):
     lm = bf16_model
     assert lm.model.dtype == torch.bfloat16
-    assert sum(type(m) is PackedLinear for m in lm.model.modules()) == 7 * lm.num_layers + 1
+    assert sum(type(m) is PackedLinear for m in lm.model.modules()) == 2 * lm.num_layers + 1     # o, down; the head
+    assert sum(type(m) is FusedLinear for m in lm.model.modules()) == 2 * lm.num_layers         # qkv, gate_up
     runner = Runner(lm, torch.float16)
     assert runner.engine.runner.pool.arena.dtype == torch.uint8
     assert runner.engine.runner.layout.itemsize == 2                    # fp16 rows in the pool whatever computes
 
 
-@pytest.mark.parametrize("strategy, ratio, questions", [("full", 1.0, 3), ("auto", 0.5, 1)])
-def test_bf16_answers_the_facts(bf16_model, strategy, ratio, questions):
+@pytest.mark.parametrize("strategy, ratio, missed", [("full", 1.0, 0), ("auto", 0.5, 1)])
+def test_bf16_answers_the_facts(bf16_model, strategy, ratio, missed):
+    """bf16 answers what fp32 answers right: every fact under full; under auto within one case of
+    fp32 (issue 39's bar: bf16's products round otherwise on each host — AMX tiles, AVX512-BF16 —
+    and one borderline answer of a compressed cache may turn; on an AMX Xeon auto at 0.5 misses
+    the ferry's hour in bf16)."""
     lm = bf16_model
     runner = Runner(lm, torch.float16)
     shape = ModelShape(lm.num_layers, lm.num_kv_heads, lm.num_query_heads, lm.head_dim)
     prober = Prober(lm=lm)
-    for question, answer in list(ASK.items())[:questions]:
+    wrong = []
+    for question, answer in ASK.items():
         p = prompts.build(lm.tokenizer, [{"role": "user", "content": FACTS * 4 + "\n\n" + question}], "")
         ids = list(p.context_ids)
         plan = STRATEGIES[strategy].plan(PlanInput("t", strategy, len(ids), shape, reserve_ratio=ratio, new_tokens=16,
                                                    probe=lambda ids=ids, **kw: prober.probe(ids, **kw)), "t")
         res = runner.run(p, plan, Sampling(16), budget=ratio)
-        assert answer in res.text, (strategy, question, res.text)
+        if answer not in res.text:
+            wrong.append((question, res.text))
+    assert len(wrong) <= missed, (strategy, wrong)

@@ -8,7 +8,7 @@ import torch
 
 from kvcore import model as models
 from kvcore import packed_linear
-from kvcore.packed_linear import PackedLinear, pack
+from kvcore.packed_linear import FusedLinear, FusedPart, PackedLinear, fuse, pack
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN packed linear")
 
@@ -34,13 +34,44 @@ def test_packing_a_model_swaps_every_linear_and_keeps_its_logits(tiny_model_dir,
     plain = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), packed_linear=False)).model
     packed = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), packed_linear=True)).model
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 7 + 1           # 2 layers, the head
+    assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 2 + 1           # o, down of 2 layers; the head
+    assert sum(type(m) is FusedLinear for m in packed.modules()) == 2 * 2                # qkv, gate_up of 2 layers
+    a = packed.model.layers[0].self_attn
+    assert a.qkv.sizes == [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
     head = packed.get_output_embeddings()
     assert head.weight is packed.get_input_embeddings().weight                        # tied: kept, not copied
-    assert not hasattr(packed.model.layers[0].mlp.up_proj, "weight")                  # the float copy freed
+    assert not hasattr(packed.model.layers[0].mlp.up_proj, "weight")                  # the float copies freed
+    assert not hasattr(packed.model.layers[0].mlp.gate_up, "weight")
     ids = torch.tensor([[5, 17, 300, 42, 9]])
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linears_give_each_linears_output_and_share_one_product(dtype):
+    """q, k, v (different widths) packed as one: the product split is each linear's; the parts'
+    calls on one input (as the model's own forward makes them) compute it once."""
+    if dtype == torch.bfloat16 and not packed_linear.packs_bf16():
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.q_proj, m.k_proj, m.v_proj = (torch.nn.Linear(96, n, bias=False).to(dtype) for n in (96, 32, 32))
+    x = torch.randn(5, 96).to(dtype)
+    want = [m.q_proj(x), m.k_proj(x), m.v_proj(x)]
+    assert fuse(m) == 1 and type(m.q_proj) is FusedPart and m.qkv.sizes == [96, 32, 32]
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    for got, w in zip(m.qkv(x).split(m.qkv.sizes, -1), want):
+        torch.testing.assert_close(got, w, **tol)
+    calls = []
+    real = m.qkv.forward
+    m.qkv.forward = lambda t: calls.append(1) or real(t)
+    parts = [m.q_proj(x), m.k_proj(x), m.v_proj(x)]
+    assert len(calls) == 1 and all(p.is_contiguous() for p in parts)
+    for got, w in zip(parts, want):
+        torch.testing.assert_close(got, w, **tol)
+    y = torch.randn(2, 96).to(dtype)                                     # another input: its own product
+    torch.testing.assert_close(m.k_proj(y), want_k := m.qkv(y)[:, 96:128], **tol)
+    assert len(calls) == 3 and want_k.shape == (2, 32)
 
 
 def test_nothing_is_swapped_off_cpu_fp32_or_bf16():
@@ -85,7 +116,8 @@ def test_a_bf16_model_is_packed_and_runs_on_the_bf16_units(tiny_model_dir, model
     from kvcore.host import host
     packed = models.load(dataclasses.replace(model_cfg, model=str(tiny_model_dir), compute_dtype="bfloat16")).model
     assert packed.dtype == torch.bfloat16
-    assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 7 + 1
+    assert sum(type(m) is PackedLinear for m in packed.modules()) == 2 * 2 + 1
+    assert sum(type(m) is FusedLinear for m in packed.modules()) == 2 * 2
     if not host().native_bf16:
         pytest.skip("no AVX512-BF16 or AMX here: oneDNN emulates bf16")
     code = ("import torch; from kvcore.packed_linear import PackedLinear; "
