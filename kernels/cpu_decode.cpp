@@ -147,6 +147,44 @@ void dense_values(const float* p, const uint16_t* v, int64_t vst, int64_t n, flo
 }
 #endif
 
+#if defined(__AVX512F__)
+// The same on 16 lanes (an AVX-512 host): a row's D channels as D / 16 vectors, each fp16 row
+// converted once; values key by key with every head's accumulators in registers (the row converted
+// once for all H heads, where the 8-lane loop converts it once per head).
+template <int H, int DV>
+void dense_scores16(const float* q, const uint16_t* k, int64_t kst, int64_t n, float* s, int64_t stride) {
+  __m512 qv[H][DV];
+  for (int j = 0; j < H; ++j)
+    for (int c = 0; c < DV; ++c) qv[j][c] = _mm512_loadu_ps(q + (j * DV + c) * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 kr[DV];
+    for (int c = 0; c < DV; ++c) kr[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(k + t * kst + c * 16)));
+    for (int j = 0; j < H; ++j) {
+      __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);
+      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[j][c], kr[c], acc);
+      s[j * stride + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+template <int H, int DV>
+void dense_values16(const float* p, const uint16_t* v, int64_t vst, int64_t n, float* a, int64_t stride) {
+  __m512 acc[H][DV];
+  for (int j = 0; j < H; ++j)
+    for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vr[DV];
+    for (int c = 0; c < DV; ++c) vr[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v + t * vst + c * 16)));
+    for (int j = 0; j < H; ++j) {
+      const __m512 w = _mm512_set1_ps(p[j * stride + t]);
+      for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(w, vr[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < H; ++j)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(a + (j * DV + c) * 16, acc[j][c]);
+}
+#endif
+
 using ScoresFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
 using ValuesFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
 
@@ -157,6 +195,14 @@ struct DenseFns {
 
 DenseFns pick_dense(int64_t H, int64_t D) {
   DenseFns f;
+#if defined(__AVX512F__)
+#define KVPLAN_CASE16(h, dv) \
+  if (H == h && D == 16 * dv) { f.scores = dense_scores16<h, dv>; f.values = dense_values16<h, dv>; return f; }
+  KVPLAN_CASE16(1, 4) KVPLAN_CASE16(1, 8) KVPLAN_CASE16(2, 4) KVPLAN_CASE16(2, 8) KVPLAN_CASE16(3, 4)
+  KVPLAN_CASE16(3, 8) KVPLAN_CASE16(4, 4) KVPLAN_CASE16(4, 8) KVPLAN_CASE16(5, 4) KVPLAN_CASE16(6, 4)
+  KVPLAN_CASE16(7, 4) KVPLAN_CASE16(8, 4)
+#undef KVPLAN_CASE16
+#endif
 #ifdef KVPLAN_AVX2
 #define KVPLAN_CASE(h, dv) \
   if (H == h && D == 8 * dv) { f.scores = dense_scores<h, dv>; f.values = dense_values<h, dv>; return f; }
@@ -589,6 +635,11 @@ inline float load_half(const uint8_t* p) {
   return half1(x);
 }
 
+// dense pages ahead whose rows a task prefetches: the pool's pages lie anywhere in the arena, and
+// the hardware prefetcher stops at a page's end (4 KB of K and V rows at R = 16, D = 64): without it
+// a decode step read the context at a few GB/s, waiting on each page's first lines
+constexpr int64_t PREFETCH_AHEAD = 2;
+
 // scores of n dense rows k (rows D apart) for h query rows, DENSE_CHUNK rows at a time
 void dense_scores_rows(const DenseFns* df, const float* q, const uint16_t* k, int64_t n, int64_t h, int64_t D,
                        float* s, int64_t stride) {
@@ -909,6 +960,10 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode_mixed(
         const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
         const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
         const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + lo * D;
+        if (blk + PREFETCH_AHEAD < b1) {                     // a later page's K and V rows on their way in:
+          const char* nx = reinterpret_cast<const char*>(base + (int64_t)dt[i * dts + blk + PREFETCH_AHEAD] * page_bytes);
+          for (int64_t off = 0; off < 4 * R * D; off += 64) _mm_prefetch(nx + off, _MM_HINT_T0);   // pages are scattered
+        }
         dense_scores_rows(df, qi, k, rows, h, D, s.data() + n, width);
         n += rows;
       }

@@ -76,6 +76,68 @@ inline void quant_span(const float* x, int64_t n, float levels, float* out) {
 #endif
 }
 
+#ifdef KVPLAN_AVX512
+// fp16 rounding of 16 floats at once (nearest even, subnormals kept: c10::Half's)
+inline __m512 fp16_round16(__m512 x) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// every lane the min (max) of its group of g lanes (g in 1, 2, 4, 8, 16): a butterfly over lane ^ k
+inline void group_minmax(__m512& mn, __m512& mx, int64_t g) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int k = 1; k < g && k < 16; k *= 2) {
+    const __m512i idx = _mm512_xor_si512(lane, _mm512_set1_epi32(k));
+    mn = _mm512_min_ps(mn, _mm512_permutexvar_ps(idx, mn));
+    mx = _mm512_max_ps(mx, _mm512_permutexvar_ps(idx, mx));
+  }
+}
+
+// K's groups of n rows [r0, r0 + n): per channel min/max taken down the rows of k [T, D] (16 channels
+// a vector, no reduction across lanes), then each channel's span of kt [D, T] quantized -> kq [D, n]
+inline void quant_k_group(const float* k, const float* kt, int64_t T, int64_t D, int64_t r0, int64_t n, float levels,
+                          float* kq) {
+  const __m512 lv = _mm512_set1_ps(levels);
+  for (int64_t c0 = 0; c0 < D; c0 += 16) {
+    const __mmask16 cm = D - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - c0)) - 1u);
+    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < n; ++r) {
+      const __m512 v = _mm512_maskz_loadu_ps(cm, k + (r0 + r) * D + c0);
+      mn = _mm512_min_ps(mn, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    alignas(64) float sv[16], zv[16];
+    _mm512_store_ps(sv, fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)));
+    _mm512_store_ps(zv, fp16_round16(mn));
+    for (int64_t c = c0; c < std::min(D, c0 + 16); ++c) {
+      const __m512 sc = _mm512_set1_ps(sv[c - c0]), zc = _mm512_set1_ps(zv[c - c0]);
+      const float* x = kt + c * T + r0;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(kq + c * n + i, m, requant16(_mm512_maskz_loadu_ps(m, x + i), sc, zc, lv));
+      }
+    }
+  }
+}
+
+// one V row [D] in groups of g channels (g dividing 16, or a multiple of 16 dividing D) -> out [D]
+inline void quant_v_row(const float* x, int64_t D, int64_t g, float levels, float* out) {
+  const __m512 lv = _mm512_set1_ps(levels);
+  for (int64_t c0 = 0; c0 < D; c0 += std::max<int64_t>(g, 16)) {
+    const int64_t nv = std::max<int64_t>(g, 16) / 16;             // vectors a group (or a vector's groups) spans
+    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nv; ++j) {
+      const __m512 v = _mm512_loadu_ps(x + c0 + 16 * j);
+      mn = _mm512_min_ps(mn, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    group_minmax(mn, mx, std::min<int64_t>(g, 16));
+    const __m512 sc = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), zc = fp16_round16(mn);
+    for (int64_t j = 0; j < nv; ++j)
+      _mm512_storeu_ps(out + c0 + 16 * j, requant16(_mm512_loadu_ps(x + c0 + 16 * j), sc, zc, lv));
+  }
+}
+#endif
+
 struct Scratch {
   std::vector<float> kq, vq, kt, vb, q, p, acc, m, l;     // kq: a group's K copy transposed [D, rows]
   Scratch(int64_t rows, int64_t Qn, int64_t D, int64_t Dp)
@@ -83,8 +145,8 @@ struct Scratch {
 };
 
 // one (KV head, width) task: q [Qn, D], kt [D, T] (K transposed), v [T, D] -> out [Qn, D]
-void run_task(const float* q, const float* k, const float* v, float* out, int64_t Qn, int64_t T, int64_t D, int64_t wq,
-              int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
+void run_task(const float* q, const float* k, const float* krows, const float* v, float* out, int64_t Qn, int64_t T,
+              int64_t D, int64_t wq, int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
   const int64_t Dp = (D + 15) / 16 * 16, qt = T - T % rows;
   const float levels = (float)((1 << bits) - 1);
   for (int64_t r = 0; r < Qn; ++r) {
@@ -101,9 +163,17 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
     const float *kr = k + r0, *vr = v + r0 * D;                 // kr: channel c's rows at kr + c * ks
     int64_t ks = T;
     if (quantized) {
-      for (int64_t c = 0; c < D; ++c) quant_span(k + c * T + r0, n, levels, sc.kq.data() + c * rows);
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t c = 0; c < D; c += gv) quant_span(vr + r * D + c, gv, levels, sc.vq.data() + r * D + c);
+#ifdef KVPLAN_AVX512
+      if (D % 16 == 0 && (16 % gv == 0 || gv % 16 == 0)) {   // whole vectors: groups found in registers
+        quant_k_group(krows, k, T, D, r0, n, levels, sc.kq.data());
+        for (int64_t r = 0; r < n; ++r) quant_v_row(vr + r * D, D, gv, levels, sc.vq.data() + r * D);
+      } else
+#endif
+      {
+        for (int64_t c = 0; c < D; ++c) quant_span(k + c * T + r0, n, levels, sc.kq.data() + c * rows);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t c = 0; c < D; c += gv) quant_span(vr + r * D + c, gv, levels, sc.vq.data() + r * D + c);
+      }
       kr = sc.kq.data();
       ks = rows;
       vr = sc.vq.data();
@@ -157,15 +227,15 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                 "width ", b, ": bits in 1..8, rows >= 1, vgroups dividing D");
   auto out = torch::empty({B, G, Qn, D}, q.options());
   auto kt = k.transpose(1, 2).contiguous();                     // [G, D, T]: a channel's rows contiguous, once for every width
-  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *krp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t most = *std::max_element(rows.begin(), rows.end());
   at::parallel_for(0, G * B, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(std::max(most, KB), Qn, D, (D + 15) / 16 * 16);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t % G, b = t / G;
-      run_task(qp + g * Qn * D, kp + g * D * T, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq, bits[b], rows[b],
-               vgroups[b], (float)scaling, sc);
+      run_task(qp + g * Qn * D, kp + g * D * T, krp + g * T * D, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq,
+               bits[b], rows[b], vgroups[b], (float)scaling, sc);
     }
   });
   return out;
