@@ -635,11 +635,6 @@ inline float load_half(const uint8_t* p) {
   return half1(x);
 }
 
-// dense pages ahead whose rows a task prefetches: the pool's pages lie anywhere in the arena, and
-// the hardware prefetcher stops at a page's end (4 KB of K and V rows at R = 16, D = 64): without it
-// a decode step read the context at a few GB/s, waiting on each page's first lines
-constexpr int64_t PREFETCH_AHEAD = 2;
-
 // scores of n dense rows k (rows D apart) for h query rows, DENSE_CHUNK rows at a time
 void dense_scores_rows(const DenseFns* df, const float* q, const uint16_t* k, int64_t n, int64_t h, int64_t D,
                        float* s, int64_t stride) {
@@ -960,10 +955,6 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode_mixed(
         const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
         const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
         const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + lo * D;
-        if (blk + PREFETCH_AHEAD < b1) {                     // a later page's K and V rows on their way in:
-          const char* nx = reinterpret_cast<const char*>(base + (int64_t)dt[i * dts + blk + PREFETCH_AHEAD] * page_bytes);
-          for (int64_t off = 0; off < 4 * R * D; off += 64) _mm_prefetch(nx + off, _MM_HINT_T0);   // pages are scattered
-        }
         dense_scores_rows(df, qi, k, rows, h, D, s.data() + n, width);
         n += rows;
       }

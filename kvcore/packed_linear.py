@@ -10,8 +10,9 @@ them faster than torch's default CPU path (MKL sgemm) for such few rows (docs/be
 `pack(model)` swaps every `nn.Linear` of the decoder layers for a `PackedLinear` that holds only
 the packed weight (the float one freed: no second copy); the LM head keeps its weight (tied to
 the embeddings) beside a packed copy. Linears of one input are packed as one (`fuse`: a layer's
-q, k, v as `qkv`, its MLP's gate and up as `gate_up`; the engine calls those, the model's own
-forward still calls q_proj, … which share one product per input). Results differ from MKL's in rounding only (~1e-4 in fp32).
+q, k, v as `qkv`, its MLP's gate and up as `gate_up`); the engine and the model's own forward still
+call q_proj, k_proj, …, whose calls on one input share one product. Results differ from MKL's in
+rounding only (~1e-4 in fp32).
 
 In bf16 (the compute dtype on hosts with AVX512-BF16 or AMX, `kvcore.host`) oneDNN runs its
 brgemm bf16 kernels (`brg_matmul:avx512_core_bf16`, or `avx512_core_amx` on AMX: bf16 products,
