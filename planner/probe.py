@@ -36,16 +36,16 @@ _HOOKED = "_kvplan_probe_hooked"
 def once(run, token_ids: list[int], on_probe=None):
     """One job's lazy probe of its token ids: `probe(gqa_mode=..., losses=...)` calls
     `run(token_ids, gqa_mode=..., losses=...)` (a `Prober.probe`) at most once per GQA mode (a
-    result with losses serves a later call without them); `on_probe()` is called before each
-    real probe. -> the callable"""
+    result with losses serves a later call without them); `on_probe()` is called after each probe
+    that ran (one refused before its prefill is not counted). -> the callable"""
     done: dict[str, ProbeStats] = {}
 
     def probe(gqa_mode: str = "repeat", losses: bool = False) -> ProbeStats:
         got = done.get(gqa_mode)
         if got is None or (losses and got.losses is None):
+            got = done[gqa_mode] = run(token_ids, gqa_mode=gqa_mode, losses=losses)
             if on_probe is not None:
                 on_probe()
-            got = done[gqa_mode] = run(token_ids, gqa_mode=gqa_mode, losses=losses)
         return got
     return probe
 

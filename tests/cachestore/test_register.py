@@ -39,27 +39,25 @@ def register(client, attempt: int = 0, job: str = "j", **over) -> pb.RegisterRep
     return client.stub.Register(pb.RegisterRequest(**{**fields, **over}), timeout=5)
 
 
-def expect(call, code: grpc.StatusCode, words: str) -> float:
-    t0 = time.perf_counter()
+def expect(call, code: grpc.StatusCode, words: str) -> None:
     with pytest.raises(grpc.RpcError) as e:
         call()
     assert e.value.code() == code and words in e.value.details(), (e.value.code(), e.value.details())
-    return time.perf_counter() - t0
 
 
 def test_a_petabyte_register_is_resource_exhausted_before_any_file(client):
     """Before: UNKNOWN, and a 4.5 PB sparse file left in /dev/shm."""
-    took = expect(lambda: register(client, layers=512, kv_heads=256, head_dim=1024, max_tokens=1 << 20),
-                  grpc.StatusCode.RESOURCE_EXHAUSTED, "does not fit")
-    assert took < 1.0 and mine() == []
+    expect(lambda: register(client, layers=512, kv_heads=256, head_dim=1024, max_tokens=1 << 20),
+           grpc.StatusCode.RESOURCE_EXHAUSTED, "does not fit")
+    assert mine() == []
     stats = client.stub.Stats(pb.StatsRequest(), timeout=5)
     assert stats.used_bytes == 0 and stats.pinned_jobs == 0
 
 
 @pytest.mark.parametrize("field, value", [("layers", 10**6), ("max_tokens", 1 << 40), ("head_dim", 0), ("top_k", -1)])
 def test_register_sizes_are_bounded(client, field, value):
-    took = expect(lambda: register(client, **{field: value}), grpc.StatusCode.INVALID_ARGUMENT, f"{field}:")
-    assert took < 1.0 and mine() == []
+    expect(lambda: register(client, **{field: value}), grpc.StatusCode.INVALID_ARGUMENT, f"{field}:")
+    assert mine() == []
 
 
 def test_register_is_idempotent_per_attempt_and_a_later_attempt_replaces_the_earlier(client):
@@ -110,8 +108,7 @@ def test_the_handle_of_a_second_attempt_works(client):
 def test_undecodable_bytes_are_invalid_argument(client, method):
     call = client.channel.unary_unary(f"/kvplan.v1.CacheStore/{method}", request_serializer=None,
                                       response_deserializer=None)
-    took = expect(lambda: call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
-    assert took < 1.0
+    expect(lambda: call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
     assert client.stub.Stats(pb.StatsRequest(), timeout=5).capacity_bytes == 1 << 24
 
 

@@ -6,6 +6,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from kvplan.client import ExecutorClient, request
 from kvcore.serving import check_health
@@ -28,19 +29,35 @@ def client(cluster):
         yield c
 
 
-def rejected(call, code: grpc.StatusCode, field: str) -> float:
-    t0 = time.perf_counter()
+def work_done() -> tuple[float, float, float]:
+    """What an accepted request costs, from the executor's own counters: engine steps, jobs refused
+    once queued (tokenized or planned first) and prefills, all kinds and fields summed."""
+    def total(name: str) -> float:
+        return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples
+                   if s.name in (name + "_total", name + "_count"))
+    return (total("kvplan_executor_steps"), total("kvplan_executor_jobs_refused"),
+            total("kvplan_executor_prefill_seconds"))
+
+
+def rejected(call, code: grpc.StatusCode, field: str) -> None:
+    """`call` fails with `code`, its details naming `field`, before any expensive work: no engine
+    step, no refusal after queueing, no prefill happened while it ran (a check by counters, not by
+    the clock: a slow host must not fail it). Nothing else runs on this module's stack meanwhile."""
+    before = work_done()
     with pytest.raises(grpc.RpcError) as e:
         call()
-    took = time.perf_counter() - t0
     assert e.value.code() == code, (e.value.code(), e.value.details()[:200])
     assert e.value.details().startswith(field), e.value.details()[:200]
-    return took
+    assert work_done() == before, ("expensive work was done before the refusal", before, work_done())
 
 
 def serving(cluster, client) -> None:
+    """The executor still serves, and the counters `rejected` reads move when work is done."""
     assert check_health(cluster.executor_addr) == "SERVING"
+    steps, _, prefills = work_done()
     assert client.run(request("Say hi.", max_new_tokens=2)).result.generated_tokens >= 1
+    after = work_done()
+    assert after[0] > steps and after[2] == prefills + 1, (steps, prefills, after)
 
 
 @pytest.mark.parametrize("mb", [20, 200])
@@ -49,9 +66,8 @@ def test_a_huge_prompt_is_refused_before_it_is_read(cluster, client, mb):
     raw = request("x" * (mb << 20)).SerializeToString()           # built before the clock starts
     call = client.channel.unary_unary("/kvplan.v1.Executor/SubmitJob", request_serializer=None,
                                       response_deserializer=None)
-    took = rejected(lambda: call(raw, timeout=30), grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "SERVER: Received message larger than max")
-    assert took < 1.0
+    rejected(lambda: call(raw, timeout=30), grpc.StatusCode.RESOURCE_EXHAUSTED,
+             "SERVER: Received message larger than max")
     serving(cluster, client)
 
 
@@ -67,10 +83,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("kwargs, field", BAD, ids=[f for _, f in BAD])
-def test_bad_input_is_invalid_argument_in_under_a_second(cluster, client, kwargs, field):
+def test_bad_input_is_invalid_argument_before_any_work(cluster, client, kwargs, field):
     prompt = kwargs.pop("prompt", "")
-    took = rejected(lambda: client.submit(request(prompt, **kwargs)), grpc.StatusCode.INVALID_ARGUMENT, field + ":")
-    assert took < 1.0
+    rejected(lambda: client.submit(request(prompt, **kwargs)), grpc.StatusCode.INVALID_ARGUMENT, field + ":")
     serving(cluster, client)
 
 
@@ -79,9 +94,8 @@ def test_undecodable_bytes_are_invalid_argument(cluster, client, method):
     stream = method in ("Generate", "WatchJob")
     make = client.channel.unary_stream if stream else client.channel.unary_unary
     call = make(f"/kvplan.v1.Executor/{method}", request_serializer=None, response_deserializer=None)
-    took = rejected(lambda: list(call(b"\xff\xff\xff\x07garbage", timeout=5)) if stream else
-                    call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
-    assert took < 1.0
+    rejected(lambda: list(call(b"\xff\xff\xff\x07garbage", timeout=5)) if stream else
+             call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
     serving(cluster, client)
 
 

@@ -1,14 +1,14 @@
 """Limits before work on the planner (issue 23), over real gRPC on 127.0.0.1: every bad request of
-the hostile-client table is answered with a clear status in under a second, naming the field,
+the hostile-client table is answered with a clear status before any planning or probing, naming the field,
 and the planner keeps serving; stored definitions are validated when read; DeleteStrategy."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from kvcore import serving
 from kvcore.config import PlannerConfig, from_env
@@ -40,20 +40,30 @@ def tiny_prober(tiny_model):
     return Prober(lm=tiny_model, window=8)
 
 
-async def _rejected(call, code: grpc.StatusCode, field: str) -> float:
-    """Seconds the rejection took; asserts its code and the field its message names."""
-    t0 = time.perf_counter()
+def _work_done() -> tuple[float, float]:
+    """Plans made and probes run so far, from the planner's own counters (all strategies)."""
+    def total(name: str) -> float:
+        return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples if s.name == name + "_total")
+    return total("kvplan_planner_plans"), total("kvplan_planner_probes")
+
+
+async def _rejected(call, code: grpc.StatusCode, field: str) -> None:
+    """The call fails with `code`, its message naming `field`, before any planning or probing
+    (counted, not timed: a slow host must not fail it)."""
+    before = _work_done()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call
-    took = time.perf_counter() - t0
     assert e.value.code() == code, e.value.details()
     assert e.value.details().startswith(field), e.value.details()
-    return took
+    assert _work_done() == before, ("the planner planned or probed before refusing", before, _work_done())
 
 
 async def _still_plans(stub) -> None:
+    """The planner still plans, and the counters `_rejected` reads move when it does."""
+    plans, _ = _work_done()
     ok = await stub.Plan(planner_pb2.PlanRequest(prompt_tokens=100, model=SHAPE), timeout=5)
     assert len(ok.layers) == 30
+    assert _work_done()[0] == plans + 1
 
 
 BOUNDED = [
@@ -74,8 +84,7 @@ async def test_plan_fields_are_bounded_before_any_planning(planner, fields, fiel
     stub, _ = planner
     req = planner_pb2.PlanRequest(strategy="snapkv", budget=common_pb2.Budget(reserve_ratio=0.5),
                                   **{"model": SHAPE, **fields})
-    took = await _rejected(stub.Plan(req, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field)
-    assert took < 1.0
+    await _rejected(stub.Plan(req, timeout=30), grpc.StatusCode.INVALID_ARGUMENT, field)
     await _still_plans(stub)
 
 
@@ -86,11 +95,11 @@ async def test_plan_fields_are_bounded_before_any_planning(planner, fields, fiel
 async def test_probed_token_ids_fit_the_model_before_the_probe(planner, ids, words):
     stub, _ = planner
     req = planner_pb2.PlanRequest(prompt_tokens=len(ids), token_ids=ids, predict=True, model=SHAPE)
-    t0 = time.perf_counter()
+    before = _work_done()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stub.Plan(req, timeout=30)
-    assert time.perf_counter() - t0 < 1.0
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()
+    assert _work_done() == before                  # no probe ran (refused before its prefill)
     await _still_plans(stub)
 
 
@@ -98,8 +107,7 @@ async def test_probed_token_ids_fit_the_model_before_the_probe(planner, ids, wor
 async def test_undecodable_bytes_are_invalid_argument(planner, method):
     stub, ch = planner
     call = ch.unary_unary(f"/kvplan.v1.Planner/{method}", request_serializer=None, response_deserializer=None)
-    took = await _rejected(call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
-    assert took < 1.0
+    await _rejected(call(b"\xff\xff\xff\x07garbage", timeout=5), grpc.StatusCode.INVALID_ARGUMENT, "request:")
     await _still_plans(stub)
 
 
@@ -121,9 +129,8 @@ DEFINITIONS = [
 @pytest.mark.parametrize("text, field", DEFINITIONS, ids=[f"{i}:{f}" for i, (_, f) in enumerate(DEFINITIONS)])
 async def test_definitions_are_bounded_and_finite(planner, text, field):
     stub, _ = planner
-    took = await _rejected(stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=text, activate=True), timeout=5),
-                           grpc.StatusCode.INVALID_ARGUMENT, field)
-    assert took < 1.0
+    await _rejected(stub.SetStrategy(planner_pb2.SetStrategyRequest(definition=text, activate=True), timeout=5),
+                    grpc.StatusCode.INVALID_ARGUMENT, field)
     listed = await stub.ListStrategies(planner_pb2.ListStrategiesRequest(), timeout=5)
     assert listed.active == "full" and "bad" not in {s.name for s in listed.strategies}
     await _still_plans(stub)
