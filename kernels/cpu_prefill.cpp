@@ -97,6 +97,17 @@ void load_block(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, 
   }
 }
 
+// Every stream's key blocks in bf16 pairs, converted once per call (a stream's blocks are read by
+// each of its query tiles): stream (s, g)'s block b at data + (first[s·H_kv + g] + b)·(KT + VB), its
+// kt2 [D2, KB] then its vb2 [KB / 2, Dp] words (`load_block_bf16`; empty where there is no bf16 path).
+struct Blocks {
+  int64_t KT, VB;
+  std::vector<int64_t> first;   // [S·H_kv + 1] a stream's first block
+  std::vector<uint32_t> data;
+  const uint32_t* kt2(int64_t stream, int64_t b) const { return data.data() + (first[stream] + b) * (KT + VB); }
+  const uint32_t* vb2(int64_t stream, int64_t b) const { return kt2(stream, b) + KT; }
+};
+
 #if defined(KVPLAN_AVX512) && defined(__AVX512BF16__)
 #define KVPLAN_DPBF16 1
 // The bf16 path (bf16 queries on a CPU with AVX512-BF16): products of bf16 pairs summed into fp32 by
@@ -183,17 +194,6 @@ inline void accumulate_bf16(float* acc, int64_t Dp, const uint16_t* p2, const fl
         if (v < nc) _mm512_storeu_ps(acc + x * Dp + c + 16 * v, a[x][v]);
   }
 }
-// Every stream's key blocks in bf16 pairs, converted once per call (a stream's blocks are read by
-// each of its query tiles): stream (s, g)'s block b at data + (first[s·H_kv + g] + b)·(KT + VB), its
-// kt2 [D2, KB] then its vb2 [KB / 2, Dp] words (`load_block_bf16`).
-struct Blocks {
-  int64_t KT, VB;
-  std::vector<int64_t> first;   // [S·H_kv + 1] a stream's first block
-  std::vector<uint32_t> data;
-  const uint32_t* kt2(int64_t stream, int64_t b) const { return data.data() + (first[stream] + b) * (KT + VB); }
-  const uint32_t* vb2(int64_t stream, int64_t b) const { return kt2(stream, b) + KT; }
-};
-
 Blocks convert_blocks(const Problem& pr, int64_t S, int64_t Hk) {
   Blocks bl{(pr.D + 1) / 2 * KB, KB / 2 * pr.Dp, std::vector<int64_t>(S * Hk + 1, 0), {}};
   for (int64_t s = 0; s < S; ++s)
