@@ -21,9 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define KVPLAN_AVX2 1
-#endif
+#include "cpu_vec.h"            // KVPLAN_AVX2 and its 8-lane helpers
 
 namespace {
 
@@ -36,31 +34,8 @@ struct Partial {
 };
 
 #ifdef KVPLAN_AVX2
-// e^x for x <= 0 (scores minus their max): 2^(x log2 e) as 2^round * 2^frac, 2^frac by its
-// degree-6 Taylor polynomial of e^(frac ln 2) (|frac| <= 1/2: relative error ~1e-7)
-inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hsum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
+using kvplan::exp_neg8;
+using kvplan::hsum8;
 inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #endif
 
@@ -87,11 +62,11 @@ void softmax_rows(float* s, int64_t h, int64_t n, int64_t stride, float* m, floa
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (; t + 8 <= n; t += 8) {
       const __m256 x = _mm256_loadu_ps(sj + t);
-      const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp_neg(_mm256_sub_ps(x, mj)));
+      const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp_neg8(_mm256_sub_ps(x, mj)));
       _mm256_storeu_ps(sj + t, p);
       zs = _mm256_add_ps(zs, p);
     }
-    zz = hsum(zs);
+    zz = hsum8(zs);
 #endif
     for (; t < n; ++t) { sj[t] = sj[t] == -INFINITY ? 0.f : std::exp(sj[t] - mx); zz += sj[t]; }
     z[j] = zz;
@@ -128,7 +103,7 @@ void dense_scores(const float* q, const uint16_t* k, int64_t kst, int64_t n, flo
       const __m256 kr = half8(k + t * kst + c * 8);
       for (int j = 0; j < H; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (j * DV + c) * 8), kr, acc[j]);
     }
-    for (int j = 0; j < H; ++j) s[j * stride + t] = hsum(acc[j]);
+    for (int j = 0; j < H; ++j) s[j * stride + t] = hsum8(acc[j]);
   }
 }
 
@@ -719,7 +694,7 @@ float dot_row(const float* a, const float* b, int64_t D) {
 #ifdef KVPLAN_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (; e + 8 <= D; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), acc);
-  d = hsum(acc);
+  d = hsum8(acc);
 #endif
   for (; e < D; ++e) d += a[e] * b[e];
   return d;

@@ -17,7 +17,8 @@
 // Queries fp32, bf16 or fp16, out in q's dtype. fp32 and fp16 queries: fp32 products (queries
 // converted once per task). bf16 queries on a CPU with AVX512-BF16: bf16 products summed in fp32 by
 // VDPBF16PS (twice the multiply-adds of an fp32 FMA per instruction; see `load_block_bf16`). AVX-512
-// where the compiler targets it (kernels/cpu_vec.h), a scalar loop of the fp32 math elsewhere.
+// where the compiler targets it (kernels/cpu_vec.h), 8-lane AVX2 where that is the widest (the fp32
+// core of kernels/cpu_flash.h), a scalar loop of the fp32 math elsewhere.
 //
 // Shapes: N packed query rows, H query heads, H_kv KV heads, h_n = H / H_kv, D head dim (Dp: D
 // rounded up to 16), R rows a page holds, S segments, MB table width.
@@ -87,6 +88,13 @@ void load_block(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, 
       alignas(64) float kk[16];
       _mm512_store_ps(kk, kvplan::load16(k + d));
       for (int64_t i = 0; i < 16; ++i) sc.kt[(d + i) * KB + r] = kk[i];
+    }
+#elif defined(KVPLAN_AVX2)
+    for (; d + 8 <= D; d += 8) {
+      _mm256_storeu_ps(vr + d, kvplan::load8(v + d));
+      alignas(32) float kk[8];
+      _mm256_store_ps(kk, kvplan::load8(k + d));
+      for (int64_t i = 0; i < 8; ++i) sc.kt[(d + i) * KB + r] = kk[i];
     }
 #endif
     for (; d < D; ++d) {

@@ -1,6 +1,7 @@
 // 16 floats at a time from and to fp32, bf16 and fp16 memory, for the CPU kernels that take either
 // compute dtype (kernels/cpu_decoder_ops.cpp, kernels/cpu_prefill.cpp). AVX-512 where the compiler
-// targets it (-march=native on such a host), else scalar: every kernel keeps a scalar loop of the
+// targets it (-march=native on such a host), else scalar (8-lane AVX2 helpers below for the kernels
+// that have an AVX2 path): every kernel keeps a scalar loop of the
 // same math for its tails and for other hosts. Rounding to bf16 and fp16 is to nearest even, as
 // torch's Tensor.to() (bf16 by hand, not VCVTNEPS2BF16, which flushes subnormals), so a kernel's
 // rows round as its torch reference's.
@@ -62,6 +63,44 @@ inline __m512 exp_neg16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KVPLAN_AVX2 1
+// 8 lanes where the host has AVX2 (and F16C, FMA) but not AVX-512: the same math, half as wide
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// e^x for x <= 0, as exp_neg16 (2^round * a degree-6 polynomial of 2^frac; x below -87 counts as -87)
+inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 #endif
 
