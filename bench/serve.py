@@ -45,6 +45,7 @@ from bench.summary import full_job_bytes, jobs_budget, model_shape, summarize  #
 _shape = model_shape      # the peers' export script (../shared/peers/vllm/export_jobs.py) imports these three from here
 from kvcore import model as models
 from kvcore.config import ModelConfig, from_env
+from kvcore.host import host
 from planner.strategies import STRATEGIES
 
 OUT = Path(__file__).parent / "results" / "serve"
@@ -119,13 +120,14 @@ def main(argv=None) -> None:
                                          kv_risk=s.result.kv_risk if s.result else None,
                                          kv_at_risk=s.result.kv_at_risk if s.result else None, error=s.error) for s in sent]))
             print(_row(runs[-1], runs), flush=True)
-    out = dict(bench="serve", machine=platform.machine(), torch=torch.__version__, threads=torch.get_num_threads(),
+    out = dict(bench="serve", machine=platform.machine(), host=host().as_dict(), torch=torch.__version__,
+               threads=torch.get_num_threads(),
                requests=args.requests, lengths=args.lengths, new_tokens=args.new_tokens, rate=args.rate,
                max_batched_tokens=args.max_batched_tokens, profiles=args.profiles, stop_at_eos=args.stop_at_eos, runs=runs,
                when=time.strftime("%Y-%m-%d %H:%M"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / args.json).write_text(json.dumps(out, indent=1))
-    print("\n" + _table(runs))
+    print(f"\nHost: {host().describe()}\n\n" + _table(runs))
     if len(budgets) > 1:
         from bench.plots import throughput_by_budget
         print(f"plot: {throughput_by_budget(runs, args.out / 'throughput_by_budget.png')}")
