@@ -6,12 +6,12 @@ import time
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 
 from kvplan.client import ExecutorClient, request
 from kvcore.serving import check_health
 from protos import executor_pb2 as pb
 from tests.executor.stack import embedded_with
+from tests.metrics import summed
 
 MAX_QUEUED, PER_TENANT = 6, 4
 
@@ -32,11 +32,8 @@ def client(cluster):
 def work_done() -> tuple[float, float, float]:
     """What an accepted request costs, from the executor's own counters: engine steps, jobs refused
     once queued (tokenized or planned first) and prefills, all kinds and fields summed."""
-    def total(name: str) -> float:
-        return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples
-                   if s.name in (name + "_total", name + "_count"))
-    return (total("kvplan_executor_steps"), total("kvplan_executor_jobs_refused"),
-            total("kvplan_executor_prefill_seconds"))
+    return (summed("kvplan_executor_steps"), summed("kvplan_executor_jobs_refused"),
+            summed("kvplan_executor_prefill_seconds"))
 
 
 def rejected(call, code: grpc.StatusCode, field: str) -> None:

@@ -8,7 +8,6 @@ import logging
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 
 from kvcore import serving
 from kvcore.config import PlannerConfig, from_env
@@ -16,6 +15,7 @@ from planner.active import DEFINITIONS_KEY, ACTIVE_KEY
 from planner.probe import Prober
 from planner.service import build_service
 from protos import common_pb2, planner_pb2, planner_pb2_grpc
+from tests.metrics import summed
 
 SHAPE = planner_pb2.ModelShape(num_layers=30, num_kv_heads=3, num_query_heads=9, head_dim=64, fingerprint="f")
 
@@ -42,9 +42,7 @@ def tiny_prober(tiny_model):
 
 def _work_done() -> tuple[float, float]:
     """Plans made and probes run so far, from the planner's own counters (all strategies)."""
-    def total(name: str) -> float:
-        return sum(s.value for m in REGISTRY.collect() if m.name == name for s in m.samples if s.name == name + "_total")
-    return total("kvplan_planner_plans"), total("kvplan_planner_probes")
+    return summed("kvplan_planner_plans"), summed("kvplan_planner_probes")
 
 
 async def _rejected(call, code: grpc.StatusCode, field: str) -> None:
