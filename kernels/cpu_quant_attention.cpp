@@ -1,15 +1,19 @@
 // Attention of a layer's last queries over its K/V as KIVI quantization at several bit widths would
 // store them (`quant_attention`; launcher and torch reference: kernels/quant_attention.py): what
 // the statistics' quant losses measure (kvcore/statistics.py). Each width's quantized copy is made
-// on the fly, one group of rows at a time, and attended flash-style (kernels/cpu_flash.h) — never
+// on the fly, a few groups of rows at a time, and attended flash-style (kernels/cpu_flash.h) — never
 // stored: the statistics run inside the executor's prefill, and writing a dequantized K and V per
-// width per layer was most of their cost. K is read transposed (made once per call), so a channel's
-// group of rows is one contiguous span, as a V row's channel group is.
+// width per layer was most of their cost. K and V are read as they are, row after row (a transposed
+// K, read a channel at a time, cost a cache miss per channel per group and was half the kernel's time).
 //
 // Quantization as the pool's (kernels.quant: min/max levels, no refits): K per channel over groups
 // of `rows` rows, V per row over groups of `vgroup` channels; scale (max - min) / (2^b - 1) and
 // zero min both rounded to fp16, code floor((x - zero) / scale + 0.5) clamped to [0, 2^b - 1] (scale
 // 0: code 0), value zero + code * scale in fp32. Rows past the last whole group stay exact.
+//
+// AVX-512 (16 lanes) and AVX2 (8 lanes) find a group's min/max and requantize in registers, K's
+// channels a vector at a time down the group's rows; other hosts and shapes take scalar loops of
+// the same math.
 //
 // Shapes: G KV heads, Qn query rows per head (g query heads x Wq window rows, head-major: row r sits
 // at position T - Wq + r % Wq and sees rows 0..that), T rows, D head dim, B widths.
@@ -26,6 +30,9 @@ namespace {
 
 namespace flash = kvplan::flash;
 using flash::KB;
+constexpr int64_t SPAN = 3 * KB;  // rows quantized at a time (whole groups): 192 = 8, 4, 2 and 1 bits' 24, 48, 96 and
+                                  // 192 rows, whole KB-row blocks for the flash core (a group a time left 24-row
+                                  // groups in 64-row blocks: 8-bit attention took 2.7x the work)
 
 inline float fp16_round(float x) { return static_cast<float>(c10::Half(x)); }       // nearest even
 
@@ -37,6 +44,32 @@ inline float requant(float x, float s, float z, float levels) {
   return z + c * s;
 }
 
+// scalar: K's group of n rows k [n, D] (row stride D) quantized per channel -> kq [n, D]
+inline void quant_k_scalar(const float* k, int64_t n, int64_t D, float levels, float* kq) {
+  for (int64_t c = 0; c < D; ++c) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t r = 0; r < n; ++r) {
+      lo = std::min(lo, k[r * D + c]);
+      hi = std::max(hi, k[r * D + c]);
+    }
+    const float s = fp16_round((hi - lo) / levels), z = fp16_round(lo);
+    for (int64_t r = 0; r < n; ++r) kq[r * D + c] = requant(k[r * D + c], s, z, levels);
+  }
+}
+
+// scalar: one V row [D] in groups of g channels (g dividing D) -> out [D]
+inline void quant_v_scalar(const float* x, int64_t D, int64_t g, float levels, float* out) {
+  for (int64_t c0 = 0; c0 < D; c0 += g) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t c = c0; c < c0 + g; ++c) {
+      lo = std::min(lo, x[c]);
+      hi = std::max(hi, x[c]);
+    }
+    const float s = fp16_round((hi - lo) / levels), z = fp16_round(lo);
+    for (int64_t c = c0; c < c0 + g; ++c) out[c] = requant(x[c], s, z, levels);
+  }
+}
+
 #ifdef KVPLAN_AVX512
 inline __m512 requant16(__m512 x, __m512 s, __m512 z, __m512 levels) {
   const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), s);
@@ -45,38 +78,7 @@ inline __m512 requant16(__m512 x, __m512 s, __m512 z, __m512 levels) {
   c = _mm512_min_ps(_mm512_max_ps(c, _mm512_setzero_ps()), levels);
   return _mm512_add_ps(z, _mm512_mul_ps(c, s));
 }
-#endif
 
-// n contiguous values quantized as one group (K: one channel over a group's rows, read from K
-// transposed; V: one row's channel group) -> out [n]
-inline void quant_span(const float* x, int64_t n, float levels, float* out) {
-#ifdef KVPLAN_AVX512
-  __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    mn = _mm512_mask_min_ps(mn, m, mn, v);
-    mx = _mm512_mask_max_ps(mx, m, mx, v);
-  }
-  const float lo = _mm512_reduce_min_ps(mn), hi = _mm512_reduce_max_ps(mx);
-  const __m512 s = _mm512_set1_ps(fp16_round((hi - lo) / levels)), z = _mm512_set1_ps(fp16_round(lo));
-  const __m512 lv = _mm512_set1_ps(levels);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-    _mm512_mask_storeu_ps(out + i, m, requant16(_mm512_maskz_loadu_ps(m, x + i), s, z, lv));
-  }
-#else
-  float lo = INFINITY, hi = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    lo = std::min(lo, x[i]);
-    hi = std::max(hi, x[i]);
-  }
-  const float s = fp16_round((hi - lo) / levels), z = fp16_round(lo);
-  for (int64_t i = 0; i < n; ++i) out[i] = requant(x[i], s, z, levels);
-#endif
-}
-
-#ifdef KVPLAN_AVX512
 // fp16 rounding of 16 floats at once (nearest even, subnormals kept: c10::Half's)
 inline __m512 fp16_round16(__m512 x) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -92,30 +94,21 @@ inline void group_minmax(__m512& mn, __m512& mx, int64_t g) {
   }
 }
 
-// K's groups of n rows [r0, r0 + n): per channel min/max taken down the rows of k [T, D] (16 channels
-// a vector, no reduction across lanes), then each channel's span of kt [D, T] quantized -> kq [D, n]
-inline void quant_k_group(const float* k, const float* kt, int64_t T, int64_t D, int64_t r0, int64_t n, float levels,
-                          float* kq) {
+// K's group of n rows k [n, D]: per channel min/max down the rows (16 channels a vector, no
+// reduction across lanes), then the same rows requantized -> kq [n, D]
+inline void quant_k_group(const float* k, int64_t n, int64_t D, float levels, float* kq) {
   const __m512 lv = _mm512_set1_ps(levels);
   for (int64_t c0 = 0; c0 < D; c0 += 16) {
     const __mmask16 cm = D - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - c0)) - 1u);
     __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
     for (int64_t r = 0; r < n; ++r) {
-      const __m512 v = _mm512_maskz_loadu_ps(cm, k + (r0 + r) * D + c0);
+      const __m512 v = _mm512_maskz_loadu_ps(cm, k + r * D + c0);
       mn = _mm512_min_ps(mn, v);
       mx = _mm512_max_ps(mx, v);
     }
-    alignas(64) float sv[16], zv[16];
-    _mm512_store_ps(sv, fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)));
-    _mm512_store_ps(zv, fp16_round16(mn));
-    for (int64_t c = c0; c < std::min(D, c0 + 16); ++c) {
-      const __m512 sc = _mm512_set1_ps(sv[c - c0]), zc = _mm512_set1_ps(zv[c - c0]);
-      const float* x = kt + c * T + r0;
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        _mm512_mask_storeu_ps(kq + c * n + i, m, requant16(_mm512_maskz_loadu_ps(m, x + i), sc, zc, lv));
-      }
-    }
+    const __m512 sc = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), zc = fp16_round16(mn);
+    for (int64_t r = 0; r < n; ++r)
+      _mm512_mask_storeu_ps(kq + r * D + c0, cm, requant16(_mm512_maskz_loadu_ps(cm, k + r * D + c0), sc, zc, lv));
   }
 }
 
@@ -136,19 +129,80 @@ inline void quant_v_row(const float* x, int64_t D, int64_t g, float levels, floa
       _mm512_storeu_ps(out + c0 + 16 * j, requant16(_mm512_loadu_ps(x + c0 + 16 * j), sc, zc, lv));
   }
 }
+
+// a group's K rows [n, D] and V rows [n, D] (value groups of g channels) -> kq, vq [n, D]
+inline bool quant_group(const float* k, const float* v, int64_t n, int64_t D, int64_t g, float levels, float* kq,
+                        float* vq) {
+  if (D % 16 || !(16 % g == 0 || g % 16 == 0)) return false;    // whole vectors only
+  quant_k_group(k, n, D, levels, kq);
+  for (int64_t r = 0; r < n; ++r) quant_v_row(v + r * D, D, g, levels, vq + r * D);
+  return true;
+}
+#elif defined(KVPLAN_AVX2)
+// the 8-lane forms, for hosts with AVX2 but not AVX-512
+inline __m256 requant8(__m256 x, __m256 s, __m256 z, __m256 levels) {
+  const __m256 safe = _mm256_blendv_ps(_mm256_set1_ps(1.f), s, _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ));
+  __m256 c = _mm256_floor_ps(_mm256_add_ps(_mm256_div_ps(_mm256_sub_ps(x, z), safe), _mm256_set1_ps(0.5f)));
+  c = _mm256_min_ps(_mm256_max_ps(c, _mm256_setzero_ps()), levels);
+  return _mm256_add_ps(z, _mm256_mul_ps(c, s));
+}
+
+// K's group of n rows k [n, D] (D a multiple of 8): per channel min/max down the rows, 8 channels a
+// vector, then the same rows requantized -> kq [n, D]
+inline void quant_k_group8(const float* k, int64_t n, int64_t D, float levels, float* kq) {
+  const __m256 lv = _mm256_set1_ps(levels);
+  for (int64_t c0 = 0; c0 < D; c0 += 8) {
+    __m256 mn = _mm256_set1_ps(INFINITY), mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < n; ++r) {
+      const __m256 v = _mm256_loadu_ps(k + r * D + c0);
+      mn = _mm256_min_ps(mn, v);
+      mx = _mm256_max_ps(mx, v);
+    }
+    const __m256 sc = kvplan::fp16_round8(_mm256_div_ps(_mm256_sub_ps(mx, mn), lv)), zc = kvplan::fp16_round8(mn);
+    for (int64_t r = 0; r < n; ++r) _mm256_storeu_ps(kq + r * D + c0, requant8(_mm256_loadu_ps(k + r * D + c0), sc, zc, lv));
+  }
+}
+
+// one V row [D] in groups of g channels (g a multiple of 8 dividing D) -> out [D]
+inline void quant_v_row8(const float* x, int64_t D, int64_t g, float levels, float* out) {
+  const __m256 lv = _mm256_set1_ps(levels);
+  for (int64_t c0 = 0; c0 < D; c0 += g) {
+    __m256 mn = _mm256_set1_ps(INFINITY), mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < g; j += 8) {
+      const __m256 v = _mm256_loadu_ps(x + c0 + j);
+      mn = _mm256_min_ps(mn, v);
+      mx = _mm256_max_ps(mx, v);
+    }
+    const float lo = kvplan::hmin8(mn), hi = kvplan::hmax8(mx);
+    const __m256 sc = _mm256_set1_ps(fp16_round((hi - lo) / levels)), zc = _mm256_set1_ps(fp16_round(lo));
+    for (int64_t j = 0; j < g; j += 8)
+      _mm256_storeu_ps(out + c0 + j, requant8(_mm256_loadu_ps(x + c0 + j), sc, zc, lv));
+  }
+}
+
+inline bool quant_group(const float* k, const float* v, int64_t n, int64_t D, int64_t g, float levels, float* kq,
+                        float* vq) {
+  if (D % 8 || g % 8) return false;                             // whole 8-lane vectors only
+  quant_k_group8(k, n, D, levels, kq);
+  for (int64_t r = 0; r < n; ++r) quant_v_row8(v + r * D, D, g, levels, vq + r * D);
+  return true;
+}
+#else
+inline bool quant_group(const float*, const float*, int64_t, int64_t, int64_t, float, float*, float*) { return false; }
 #endif
 
 struct Scratch {
-  std::vector<float> kq, vq, kt, vb, q, p, acc, m, l;     // kq: a group's K copy transposed [D, rows]
+  std::vector<float> kq, vq, kt, vb, q, p, acc, m, l;     // kq, vq: a span's copies [rows, D]; kt: a block's K [D, KB]
   Scratch(int64_t rows, int64_t Qn, int64_t D, int64_t Dp)
       : kq(rows * D), vq(rows * D), kt(D * KB), vb(KB * Dp), q(Qn * Dp), p(Qn * KB), acc(Qn * Dp), m(Qn), l(Qn) {}
 };
 
-// one (KV head, width) task: q [Qn, D], kt [D, T] (K transposed), v [T, D] -> out [Qn, D]
-void run_task(const float* q, const float* k, const float* krows, const float* v, float* out, int64_t Qn, int64_t T,
-              int64_t D, int64_t wq, int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
+// one (KV head, width) task: q [Qn, D], k, v [T, D] -> out [Qn, D]
+void run_task(const float* q, const float* k, const float* v, float* out, int64_t Qn, int64_t T, int64_t D, int64_t wq,
+              int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
   const int64_t Dp = (D + 15) / 16 * 16, qt = T - T % rows;
   const float levels = (float)((1 << bits) - 1);
+  const int64_t span = rows * ((SPAN + rows - 1) / rows);      // groups quantized before they are attended
   for (int64_t r = 0; r < Qn; ++r) {
     for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scaling;
     std::fill(sc.q.begin() + r * Dp + D, sc.q.begin() + (r + 1) * Dp, 0.f);
@@ -159,31 +213,24 @@ void run_task(const float* q, const float* k, const float* krows, const float* v
   float alpha[2];
   for (int64_t r0 = 0; r0 < T;) {
     const bool quantized = r0 < qt;
-    const int64_t n = quantized ? rows : T - r0;
-    const float *kr = k + r0, *vr = v + r0 * D;                 // kr: channel c's rows at kr + c * ks
-    int64_t ks = T;
-    if (quantized) {
-#ifdef KVPLAN_AVX512
-      if (D % 16 == 0 && (16 % gv == 0 || gv % 16 == 0)) {   // whole vectors: groups found in registers
-        quant_k_group(krows, k, T, D, r0, n, levels, sc.kq.data());
-        for (int64_t r = 0; r < n; ++r) quant_v_row(vr + r * D, D, gv, levels, sc.vq.data() + r * D);
-      } else
-#endif
-      {
-        for (int64_t c = 0; c < D; ++c) quant_span(k + c * T + r0, n, levels, sc.kq.data() + c * rows);
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t c = 0; c < D; c += gv) quant_span(vr + r * D + c, gv, levels, sc.vq.data() + r * D + c);
+    const int64_t n = quantized ? std::min(span, qt - r0) : T - r0;     // whole groups, or the exact tail
+    const float *kr = k + r0 * D, *vr = v + r0 * D;            // [n, D] each
+    if (quantized) {                                            // n / rows groups -> kq, vq [n, D]
+      for (int64_t j = 0; j < n; j += rows) {
+        const float *kg = kr + j * D, *vg = vr + j * D;
+        float *kq = sc.kq.data() + j * D, *vq = sc.vq.data() + j * D;
+        if (quant_group(kg, vg, rows, D, gv, levels, kq, vq)) continue;
+        quant_k_scalar(kg, rows, D, levels, kq);
+        for (int64_t r = 0; r < rows; ++r) quant_v_scalar(vg + r * D, D, gv, levels, vq + r * D);
       }
       kr = sc.kq.data();
-      ks = rows;
       vr = sc.vq.data();
     }
     for (int64_t c0 = 0; c0 < n; c0 += KB) {                    // blocks of KB rows through the flash core
       const int64_t nk = std::min(KB, n - c0), k0 = r0 + c0;
-      for (int64_t d = 0; d < D; ++d) {
-        std::copy(kr + d * ks + c0, kr + d * ks + c0 + nk, sc.kt.begin() + d * KB);
-        std::fill(sc.kt.begin() + d * KB + nk, sc.kt.begin() + (d + 1) * KB, 0.f);
-      }
+      if (nk < KB) std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
+      for (int64_t r = 0; r < nk; ++r)                          // the block's K rows transposed -> kt [D, KB]
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * KB + r] = kr[(c0 + r) * D + d];
       std::fill(sc.vb.begin(), sc.vb.end(), 0.f);
       for (int64_t r = 0; r < nk; ++r) std::copy(vr + (c0 + r) * D, vr + (c0 + r + 1) * D, sc.vb.begin() + r * Dp);
       int64_t i = 0;
@@ -226,16 +273,16 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     TORCH_CHECK(bits[b] >= 1 && bits[b] <= 8 && rows[b] >= 1 && vgroups[b] >= 1 && D % vgroups[b] == 0,
                 "width ", b, ": bits in 1..8, rows >= 1, vgroups dividing D");
   auto out = torch::empty({B, G, Qn, D}, q.options());
-  auto kt = k.transpose(1, 2).contiguous();                     // [G, D, T]: a channel's rows contiguous, once for every width
-  const float *qp = q.data_ptr<float>(), *kp = kt.data_ptr<float>(), *krp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t most = *std::max_element(rows.begin(), rows.end());
+  int64_t most = 0;                                             // the longest span of whole groups (run_task's)
+  for (const int64_t r : rows) most = std::max(most, r * ((SPAN + r - 1) / r));
   at::parallel_for(0, G * B, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(std::max(most, KB), Qn, D, (D + 15) / 16 * 16);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t % G, b = t / G;
-      run_task(qp + g * Qn * D, kp + g * D * T, krp + g * T * D, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq,
-               bits[b], rows[b], vgroups[b], (float)scaling, sc);
+      run_task(qp + g * Qn * D, kp + g * T * D, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq, bits[b], rows[b],
+               vgroups[b], (float)scaling, sc);
     }
   });
   return out;

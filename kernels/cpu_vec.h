@@ -102,6 +102,18 @@ inline float hmax8(__m256 x) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+inline float hmin8(__m256 x) {
+  __m128 s = _mm_min_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_min_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// fp16 rounding of 8 floats at once (nearest even, subnormals kept: c10::Half's)
+inline __m256 fp16_round8(__m256 x) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #endif
 
 }  // namespace kvplan

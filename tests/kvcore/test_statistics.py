@@ -147,3 +147,29 @@ def test_gathering_on_cuda_reads_nothing_back_until_the_result():
     np.testing.assert_allclose(cuda.k_angle, cpu.k_angle, rtol=1e-4)
     for name in ("evict", "retained", "quant"):
         np.testing.assert_allclose(getattr(cuda.losses, name), getattr(cpu.losses, name), rtol=2e-2, atol=1e-6, err_msg=name)
+
+
+def test_the_layers_angles_are_those_of_adjacent_layers():
+    """`LayerStatistics` reuses a layer's row norms for the next layer's angle: the same figures as
+    `angle` of each adjacent pair."""
+    gen = torch.Generator().manual_seed(5)
+    ks = [torch.randn(3, 40, 64, generator=gen).half() for _ in range(3)]
+    vs = [torch.randn(3, 40, 64, generator=gen).half() for _ in range(3)]
+    ls = S.LayerStatistics("repeat", losses=False, shares=False)
+    for k, v in zip(ks, vs):
+        ls.add(torch.randn(9, 32, 64, generator=gen), k, k, v, 0.125)
+    got = ls.result()
+    np.testing.assert_allclose(got.k_angle, [S.angle(ks[0], ks[1]), S.angle(ks[1], ks[2])], rtol=1e-5)
+    np.testing.assert_allclose(got.v_angle, [S.angle(vs[0], vs[1]), S.angle(vs[1], vs[2])], rtol=1e-5)
+
+
+def test_window_scores_go_on_the_wire_as_numpys_fp16_bytes():
+    """The wire's fp16 bytes (made through torch: numpy converts subnormal halves in software) are
+    numpy's little-endian fp16, subnormals, zeros and the largest half included, and come back as
+    numpy reads them."""
+    x = np.array([0.0, 1.0, 2.0 ** -24, 3e-7, 6.0e-5, 6.2e-5, 65504.0, 1 / 3, 1e-9], np.float32)
+    x = np.concatenate([x, np.random.default_rng(0).random(4096, np.float32) ** 8 / 4096])   # most subnormal
+    b = S._fp16_bytes(x.reshape(1, 1, -1))
+    assert b == x.astype("<f2").tobytes()
+    back = S._from_fp16_bytes(b)
+    assert back.dtype == np.float32 and np.array_equal(back, np.frombuffer(b, "<f2").astype(np.float32))
