@@ -331,9 +331,14 @@ void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const u
   constexpr int PC = PV / P > 0 ? PV / P : 1;               // chunks a panel covers
   constexpr int NV = PC * P;                                // vectors a panel holds per head
   const int64_t runs = D / gv;
+  // rows8: a row's 8 chunks are its 8 runs (8-bit values of D = 64: one scale per 8 channels). Each
+  // row's scales and zeros are then read as one vector each and its codes dequantized in registers
+  // (value = code * scale + zero, weighed by p): a scalar scale conversion and broadcast per chunk and
+  // a scalar zero sum per run made 8-bit decode 2.15x dense fp16's on an AVX2 host.
+  const bool rows8 = !LANES && gv == 8 * P && runs == 8;
   float zsum[H * 8 * DV];                                   // [H, runs] (runs <= D)
   for (int64_t i = 0; i < H * runs; ++i) zsum[i] = 0.f;
-  for (int64_t t = 0; t < n; ++t)
+  for (int64_t t = 0; t < n && !rows8; ++t)
     for (int64_t r = 0; r < runs; ++r) {
       const float zr = half1(vz[(t0 + t) * runs + r]);
       for (int hh = 0; hh < H; ++hh) zsum[hh * runs + r] += p[hh * stride + t] * zr;
@@ -352,6 +357,21 @@ void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const u
     for (int64_t t = 0; t < n; ++t) {
       const int64_t row = t0 + t;
       const uint8_t* vr = vc + row * BV;
+      if (rows8) {                                          // chunk c is run c
+        const __m256 s8 = half8(vs + row * 8), z8 = half8(vz + row * 8);
+        __m256 pw[H];
+        for (int hh = 0; hh < H; ++hh) pw[hh] = _mm256_set1_ps(p[hh * stride + t]);
+        for (int cc = 0; cc < PC && c0 + cc < CH; ++cc) {
+          const __m256i ic = _mm256_set1_epi32(c0 + cc);
+          const __m256 sc = _mm256_permutevar8x32_ps(s8, ic), zc = _mm256_permutevar8x32_ps(z8, ic);
+          const __m256i b = bytes8(vr + (c0 + cc) * 8);
+          for (int pp = 0; pp < P; ++pp) {
+            const __m256 x = _mm256_fmadd_ps(codes8<BITS>(b, pp), sc, zc);
+            for (int hh = 0; hh < H; ++hh) acc[hh][cc * P + pp] = _mm256_fmadd_ps(pw[hh], x, acc[hh][cc * P + pp]);
+          }
+        }
+        continue;
+      }
       __m256 w[H];
       __m256 scales = _mm256_setzero_ps();
       if (LANES) {
