@@ -34,6 +34,8 @@ constexpr int64_t SPAN = 3 * KB;  // rows quantized at a time (whole groups): 19
                                   // 192 rows, whole KB-row blocks for the flash core (a group a time left 24-row
                                   // groups in 64-row blocks: 8-bit attention took 2.7x the work)
 
+inline int64_t span_rows(int64_t rows) { return rows * ((SPAN + rows - 1) / rows); }   // whole groups, >= SPAN
+
 inline float fp16_round(float x) { return static_cast<float>(c10::Half(x)); }       // nearest even
 
 // code * scale + zero of x, as kernels.quant's dequantized_at
@@ -202,7 +204,7 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
               int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
   const int64_t Dp = (D + 15) / 16 * 16, qt = T - T % rows;
   const float levels = (float)((1 << bits) - 1);
-  const int64_t span = rows * ((SPAN + rows - 1) / rows);      // groups quantized before they are attended
+  const int64_t span = span_rows(rows);                        // groups quantized before they are attended
   for (int64_t r = 0; r < Qn; ++r) {
     for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scaling;
     std::fill(sc.q.begin() + r * Dp + D, sc.q.begin() + (r + 1) * Dp, 0.f);
@@ -276,7 +278,7 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   int64_t most = 0;                                             // the longest span of whole groups (run_task's)
-  for (const int64_t r : rows) most = std::max(most, r * ((SPAN + r - 1) / r));
+  for (const int64_t r : rows) most = std::max(most, span_rows(r));
   at::parallel_for(0, G * B, 1, [&](int64_t begin, int64_t end) {
     Scratch sc(std::max(most, KB), Qn, D, (D + 15) / 16 * 16);
     for (int64_t t = begin; t < end; ++t) {
