@@ -185,9 +185,10 @@ class ModelRunner:
             groups.append(DecodeGroup(index, rows, self.tables.decode_view([slots[i] for i in index], dev)))
         paged = None
         if prefill_kernel.fast(dev) and self.storage_dtype == torch.float16:   # the kernels read fp16 pages
-            # plain context chunks (no H2O, not the last): one call a layer
-            index = [i for i in prefills if segments[i].phase is Phase.CONTEXT and not self._h2o(segments[i].seq)]
-            prefills = [i for i in prefills if i not in index]
+            # context chunks (no H2O): one call a layer; a context's last chunk (its statistics or
+            # its press) also stays in `prefills` for what follows its attention
+            index = [i for i in prefills if segments[i].phase.context and not self._h2o(segments[i].seq)]
+            prefills = [i for i in prefills if i not in index or segments[i].phase is not Phase.CONTEXT]
             if index:
                 lens = [int(self.tables.dend[0, slots[i], 0]) for i in index]
                 counts = [len(segments[i].ids) for i in index]
@@ -264,9 +265,13 @@ class ModelRunner:
             res = prefill_kernel.paged_prefill(q.index_select(0, pp.rows).contiguous(), self.pool.arena, table,
                                                pp.kv_len, pp.q_start, self.layout.rows, self.scaling)
             out.index_copy_(0, pp.rows, res.to(q.dtype))
+        attended = set(step.paged.index) if step.paged is not None else set()
         for i in step.prefills:
             a, b = step.spans[i]
-            out[a:b] = self._prefill(step.segments[i], layer, q[a:b], k[a:b], v[a:b])
+            if i in attended:
+                self._after_attention(step.segments[i], layer, q[a:b])
+            else:
+                out[a:b] = self._prefill(step.segments[i], layer, q[a:b])
         return out
 
     def _decode(self, step: StepPlan, grp: DecodeGroup, layer: int, q, k, v, out) -> None:
@@ -325,8 +330,7 @@ class ModelRunner:
         r4[at, :, hn:] = (res * wa[..., None] + wb[..., None] * v.float()[:, :, None, :]) / (wa + wb)[..., None]
         l3[at, :, hn:] = m + torch.log(wa + wb)
 
-    def _prefill(self, seg: Segment, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
-                 ) -> torch.Tensor:
+    def _prefill(self, seg: Segment, layer: int, q: torch.Tensor) -> torch.Tensor:
         """One segment's prefill rows of a layer (their K/V already written): q [m, H, D] -> [m, H, D]."""
         seq, slot = seg.seq, seg.seq.cache.slot
         qh = q.transpose(0, 1)                                                         # [H, m, D]
@@ -338,13 +342,26 @@ class ModelRunner:
         lp = seq.cache.plan.layers[layer]
         if lp.eviction is not None and lp.eviction.scorer == "h2o":
             seq.acc[layer] = scoring.accumulate_attention(seq.acc.get(layer), qh, k, self.scaling)
+        self._after_attention(seg, layer, q, (k, v))
+        return out
+
+    def _after_attention(self, seg: Segment, layer: int, q: torch.Tensor, kv: tuple | None = None) -> None:
+        """What a context's last chunk does after its attention (rows q [m, H, D], the stream's K/V
+        kv [H_kv, T, D] each, read from the pool where not given): the layer's press, or its
+        statistics for the plan."""
+        seq, slot = seg.seq, seg.seq.cache.slot
+        if seg.phase not in (Phase.COMPRESS, Phase.STATS) or \
+                seg.phase is Phase.COMPRESS and kind(seq.cache.plan, layer) == "full":     # its rows stay as they are
+            return
+        qh = q.transpose(0, 1)                                                         # [H, m, D]
+        k, v = kv if kv is not None else (t.to(q.dtype) for t in self.tables.dense(layer, slot))
+        lp = seq.cache.plan.layers[layer]
         if seg.phase is Phase.COMPRESS:
             plan = seq.cache.plan
             PRESSES[kind(plan, layer)](self.press, seq, layer, lp, qh, k, v)
             seq.acc.pop(layer, None)
         elif seg.phase is Phase.STATS:
             gather(seq.stats, seq.queries, qh, k, v, self.scaling, self.rope)
-        return out
 
     def _after(self, seg: Segment, layer: int, qh: torch.Tensor) -> torch.Tensor:
         """Rows after the context (the question, or a recomputed sequence's generated tokens) over
