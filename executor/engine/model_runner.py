@@ -185,10 +185,12 @@ class ModelRunner:
             groups.append(DecodeGroup(index, rows, self.tables.decode_view([slots[i] for i in index], dev)))
         paged = None
         if prefill_kernel.fast(dev) and self.storage_dtype == torch.float16:   # the kernels read fp16 pages
-            # context chunks (no H2O): one call a layer; a context's last chunk (its statistics or
-            # its press) also stays in `prefills` for what follows its attention
-            index = [i for i in prefills if segments[i].phase.context and not self._h2o(segments[i].seq)]
-            prefills = [i for i in prefills if i not in index or segments[i].phase is not Phase.CONTEXT]
+            # context chunks: one call a layer; a context's last chunk (its statistics or its
+            # press) and H2O's chunks (their attention summed) also stay in `prefills` for what
+            # follows their attention
+            index = [i for i in prefills if segments[i].phase.context]
+            prefills = [i for i in prefills if i not in index or segments[i].phase is not Phase.CONTEXT
+                        or self._h2o(segments[i].seq)]
             if index:
                 lens = [int(self.tables.dend[0, slots[i], 0]) for i in index]
                 counts = [len(segments[i].ids) for i in index]
@@ -339,23 +341,23 @@ class ModelRunner:
         k, v = self.tables.dense(layer, slot)                                          # [H_kv, T, D] stored
         k, v = k.to(q.dtype), v.to(q.dtype)
         out = causal_attention(qh[None], k[None], v[None], self.scaling)[0]           # [m, H, D]
-        lp = seq.cache.plan.layers[layer]
-        if lp.eviction is not None and lp.eviction.scorer == "h2o":
-            seq.acc[layer] = scoring.accumulate_attention(seq.acc.get(layer), qh, k, self.scaling)
         self._after_attention(seg, layer, q, (k, v))
         return out
 
     def _after_attention(self, seg: Segment, layer: int, q: torch.Tensor, kv: tuple | None = None) -> None:
-        """What a context's last chunk does after its attention (rows q [m, H, D], the stream's K/V
-        kv [H_kv, T, D] each, read from the pool where not given): the layer's press, or its
-        statistics for the plan."""
+        """What a context chunk does after its attention (rows q [m, H, D], the stream's K/V kv
+        [H_kv, T, D] each, read from the pool where not given): an H2O layer sums the chunk's
+        attention; the context's last chunk presses the layer, or gathers its statistics for the plan."""
         seq, slot = seg.seq, seg.seq.cache.slot
-        if seg.phase not in (Phase.COMPRESS, Phase.STATS) or \
-                seg.phase is Phase.COMPRESS and kind(seq.cache.plan, layer) == "full":     # its rows stay as they are
+        lp = seq.cache.plan.layers[layer]
+        h2o = lp.eviction is not None and lp.eviction.scorer == "h2o"
+        if not h2o and (seg.phase not in (Phase.COMPRESS, Phase.STATS) or
+                        seg.phase is Phase.COMPRESS and kind(seq.cache.plan, layer) == "full"):   # rows stay as they are
             return
         qh = q.transpose(0, 1)                                                         # [H, m, D]
         k, v = kv if kv is not None else (t.to(q.dtype) for t in self.tables.dense(layer, slot))
-        lp = seq.cache.plan.layers[layer]
+        if h2o:
+            seq.acc[layer] = scoring.accumulate_attention(seq.acc.get(layer), qh, k, self.scaling)
         if seg.phase is Phase.COMPRESS:
             plan = seq.cache.plan
             PRESSES[kind(plan, layer)](self.press, seq, layer, lp, qh, k, v)
