@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcore import threads
+
 
 class StoreUnavailable(RuntimeError):
     """The cachestore cannot be reached, or went away during the job."""
@@ -74,11 +76,12 @@ class JobHandle:
 
     def __post_init__(self):
         self._pending: dict[tuple[int, int], Future] = {}    # (layer, step) -> Future[Fetched]
-        # one OpenMP thread on the prefetch thread (a per-thread setting): its gathers and re-ranks
-        # are small, and an OpenMP team per job's prefetch thread spin-waits on the cores the
-        # engine's step computes on
+        # one OpenMP thread on the prefetch thread (`kvcore.threads.one`: that thread's alone, where
+        # torch.set_num_threads(1) also set torch's process-wide count the engine's ops read): its
+        # gathers and re-ranks are small, and an OpenMP team per job's prefetch thread spin-waits
+        # on the cores the engine's step computes on
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvplan-prefetch",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+                                        initializer=threads.one)
         self._lock = threading.Lock()
 
     # -- the executor's calls -----------------------------------------------------------

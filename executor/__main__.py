@@ -1,4 +1,5 @@
 """`python -m executor` (and `kvplan serve executor`): serve until SIGTERM/SIGINT (settings: KVPLAN_* env)."""
+import dataclasses
 import sys
 
 from kvcore.config import ExecutorConfig, ModelConfig, from_env
@@ -7,7 +8,10 @@ from kvcore.launch import run
 
 def build(cfg: ExecutorConfig):
     from executor.service import build_service  # imported once logging is set up, as the service starts
-    return build_service(cfg, from_env(ModelConfig))
+    from kvcore import threads
+    model_cfg = from_env(ModelConfig)
+    threads.solo(model_cfg.threads)             # torch's threads: the engine thread's alone (kvcore/threads.py)
+    return build_service(cfg, dataclasses.replace(model_cfg, threads=0))
 
 
 def main() -> int:

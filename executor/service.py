@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -33,6 +34,7 @@ from executor.prompt import Prompt
 from executor.engine import KVBudget, LLMEngine, OverBudget, Sampling
 from executor.engine.kv_budget import default_budget
 from executor.worker import TERMINAL, Worker
+from kvcore import threads
 from kvcore.auth import Denied, acting_tenant, caller
 from kvcore.keyfile import KeyRing
 from kvcore.model import load as load_model
@@ -62,6 +64,10 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
     # -- lifecycle ------------------------------------------------------------------------
     async def warmup(self) -> None:
+        # the event loop's helper threads (loading, tokenizing, statistics to the wire) run torch on
+        # one thread each: the engine thread's OpenMP team is the process's only one (kvcore/threads.py)
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="kvplan-helper", initializer=threads.one))
         await self.backend.open()
         lm = await asyncio.to_thread(load_model, self.model_cfg)
         self.engine = await asyncio.to_thread(self._engine, lm)

@@ -30,7 +30,7 @@ from executor.job_backend import PATIENCE, Claim, JobBackend, QueueUnavailable
 from executor.metrics import JOBS, QUEUE_DEPTH, REFUSED, observe_finished, observe_usage
 from executor.planner_client import PRECHECK_TOKENS, PlanOutcome, PlannerClient
 from executor.report import job_result, token_logprobs
-from kvcore import statistics
+from kvcore import statistics, threads
 from kvcore.statistics import LayerStatistics
 from kvcore.config import ExecutorConfig
 from kvcore.request import InvalidRequest
@@ -150,7 +150,9 @@ class Worker:
 
     def _step_forever(self, loop: asyncio.AbstractEventLoop) -> None:
         """The engine thread: step while there is work; after each step its metrics, and what the
-        event loop does with it (`_after_step`), handed over without waiting for it."""
+        event loop does with it (`_after_step`), handed over without waiting for it. torch's
+        threads are this thread's (`kvcore.threads`)."""
+        log.info("engine thread: %d torch threads", threads.own())
         while not self._halt.is_set():
             if not self.engine.has_work():
                 self._work.wait(1.0)          # news sets it; the second is a safety net
