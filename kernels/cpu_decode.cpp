@@ -8,7 +8,8 @@
 // run) task keeps its running max, sum and h accumulators, and the runs combine in a fixed order —
 // the same result whatever the thread count or the other streams of the call. torch's own thread
 // pool (at::parallel_for), so no second thread team competes with it. AVX2 + F16C + FMA fast paths
-// (8 floats a register) for the shapes kvplan runs; any other shape runs a scalar loop of the same
+// (8 floats a register) for the shapes kvplan runs, 16-lane AVX-512 ones for dense rows and the
+// pool's 4- and 8-bit forms where the host has it; any other shape runs a scalar loop of the same
 // math.
 //
 // Shapes: G streams; h query rows per stream; D head dim; g rows a quant page, g_k a key group's
@@ -411,6 +412,121 @@ void quant_values(const float* p, const uint8_t* vc, const uint16_t* vs, const u
 }
 #endif
 
+#if defined(__AVX512F__)
+// The pool's forms on 16 lanes (an AVX-512 host; 4- and 8-bit, D = 64): what the 8-lane loops above
+// do in twice the lanes, with each row's scales and zeros read as vectors.
+inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+
+// 8 bytes at a in lanes 0-7, 8 bytes at b in lanes 8-15 (32-bit lanes)
+inline __m512i bytes8x2(const uint8_t* a, const uint8_t* b) {
+  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a), _mm_loadl_epi64((const __m128i*)b)));
+}
+
+template <int BITS>
+inline __m512 codes16(__m512i bytes, int p) {
+  if (BITS == 8) return _mm512_cvtepi32_ps(bytes);
+  return _mm512_cvtepi32_ps(
+      _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_set1_epi32(p * BITS)), _mm512_set1_epi32((1 << BITS) - 1)));
+}
+
+// Keys of one key group of the pool's forms (24 bytes of codes a channel: G = 24 * P rows), two
+// channels at a time: lanes 0-7 hold chunk c of channel e, lanes 8-15 the same chunk of channel
+// e + 1, each weighed by its own q·scale; the halves are summed at the end (every channel adds into
+// the same scores). Vector p * 3 + c holds code p of the chunk's bytes, as in `quant_scores_g`.
+template <int H, int BITS>
+void quant_scores_g16(const float* q, const uint8_t* kc, int64_t cst, const uint16_t* ks, const uint16_t* kz,
+                      int64_t D, float* s, int64_t stride) {
+  constexpr int P = 8 / BITS, C = 3, G = 24 * P;
+  alignas(64) float qs[H][64];                    // q · scale per channel (D = 64)
+  float bias[H];
+  for (int hh = 0; hh < H; ++hh) {
+    __m512 b = _mm512_setzero_ps();
+    for (int e = 0; e < 64; e += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + hh * D + e);
+      _mm512_store_ps(qs[hh] + e, _mm512_mul_ps(qv, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + e)))));
+      b = _mm512_fmadd_ps(qv, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kz + e))), b);
+    }
+    bias[hh] = _mm512_reduce_add_ps(b);
+  }
+  __m512 acc[H][C * P];
+  for (int hh = 0; hh < H; ++hh)
+    for (int a = 0; a < C * P; ++a) acc[hh][a] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < 64; e += 2) {
+    __m512 w[H];
+    for (int hh = 0; hh < H; ++hh)
+      w[hh] = _mm512_mask_mov_ps(_mm512_set1_ps(qs[hh][e]), (__mmask16)0xFF00, _mm512_set1_ps(qs[hh][e + 1]));
+    const uint8_t* r0 = kc + e * cst;
+    for (int c = 0; c < C; ++c) {
+      const __m512i b = bytes8x2(r0 + c * 8, r0 + cst + c * 8);
+      for (int p = 0; p < P; ++p) {
+        const __m512 x = codes16<BITS>(b, p);
+        for (int hh = 0; hh < H; ++hh) acc[hh][p * C + c] = _mm512_fmadd_ps(w[hh], x, acc[hh][p * C + c]);
+      }
+    }
+  }
+  for (int hh = 0; hh < H; ++hh) {
+    alignas(32) float buf[G];
+    for (int a = 0; a < C * P; ++a) {
+      const __m512 v = acc[hh][a];
+      const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+      _mm256_store_ps(buf + a * 8, half);
+    }
+    float* sj = s + hh * stride;
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < C; ++c)
+        for (int k = 0; k < 8; ++k) sj[(c * 8 + k) * P + p] = buf[(p * C + c) * 8 + k] + bias[hh];
+  }
+}
+
+// Values of rows [t0, t0 + n) of the pool's forms (D = 64, one scale per 8 bytes of a row: gv = 8P
+// channels), 16 bytes of a row at a time: lanes 0-7 the first 8 bytes (run 2g), lanes 8-15 the next
+// (run 2g + 1); each row's scales and zeros converted once as a vector, every lane's picked by a
+// permute; codes dequantized in registers and weighed by each head's p. Lane k of vector g * P + pp
+// holds channel (16g + k) * P + pp, put in order at the end.
+template <int H, int BITS>
+void quant_values16(const float* p, const uint8_t* vc, const uint16_t* vs, const uint16_t* vz, int64_t t0, int64_t n,
+                    int64_t, float* a, int64_t stride) {
+  constexpr int P = 8 / BITS, D = 64, BV = D / P, RUNS = BV / 8, NG = BV / 16;
+  __m512i idx[NG];
+  for (int g = 0; g < NG; ++g)
+    idx[g] = _mm512_mask_mov_epi32(_mm512_set1_epi32(2 * g), (__mmask16)0xFF00, _mm512_set1_epi32(2 * g + 1));
+  __m512 acc[H][NG * P];
+  for (int hh = 0; hh < H; ++hh)
+    for (int v = 0; v < NG * P; ++v) acc[hh][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = t0 + t;
+    const uint8_t* vr = vc + row * BV;
+    __m512 sv, zv;                                          // the row's RUNS scales, zeros in lanes 0 .. RUNS-1
+    if (RUNS == 8) {
+      sv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(vs + row * RUNS))));
+      zv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(vz + row * RUNS))));
+    } else {
+      sv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)(vs + row * RUNS))));
+      zv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)(vz + row * RUNS))));
+    }
+    __m512 pw[H];
+    for (int hh = 0; hh < H; ++hh) pw[hh] = _mm512_set1_ps(p[hh * stride + t]);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 sc = _mm512_permutexvar_ps(idx[g], sv), zc = _mm512_permutexvar_ps(idx[g], zv);
+      const __m512i b = bytes16(vr + g * 16);
+      for (int pp = 0; pp < P; ++pp) {
+        const __m512 x = _mm512_fmadd_ps(codes16<BITS>(b, pp), sc, zc);
+        for (int hh = 0; hh < H; ++hh) acc[hh][g * P + pp] = _mm512_fmadd_ps(pw[hh], x, acc[hh][g * P + pp]);
+      }
+    }
+  }
+  for (int hh = 0; hh < H; ++hh) {
+    alignas(64) float buf[16];
+    for (int g = 0; g < NG; ++g)
+      for (int pp = 0; pp < P; ++pp) {
+        _mm512_store_ps(buf, acc[hh][g * P + pp]);
+        for (int k = 0; k < 16; ++k) a[hh * D + (16 * g + k) * P + pp] = buf[k];
+      }
+  }
+}
+#endif
+
 using QScoresFn = void (*)(const float*, const uint8_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, float*,
                            int64_t);
 using QValuesFn = void (*)(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t,
@@ -456,6 +572,22 @@ QuantFns pick_quant(int64_t H, int64_t D, int64_t kg, int64_t gv, int bits) {
     KVPLAN_QV(1, 4, 16) KVPLAN_QV(1, 8, 16) KVPLAN_QV(2, 4, 16) KVPLAN_QV(2, 8, 16) KVPLAN_QV(3, 4, 16)
     KVPLAN_QV(3, 8, 16) KVPLAN_QV(4, 4, 16) KVPLAN_QV(4, 8, 16)
 #undef KVPLAN_QV
+  }
+#endif
+#if defined(__AVX512F__)
+  if (D == 64 && H >= 1 && H <= 4 && (bits == 4 || bits == 8)) {      // the pool's forms: 16 lanes
+    if (kg * bits == 24 * 8) {
+      if (bits == 4) f.scores = H == 1 ? quant_scores_g16<1, 4> : H == 2 ? quant_scores_g16<2, 4>
+                              : H == 3 ? quant_scores_g16<3, 4> : quant_scores_g16<4, 4>;
+      else f.scores = H == 1 ? quant_scores_g16<1, 8> : H == 2 ? quant_scores_g16<2, 8>
+                    : H == 3 ? quant_scores_g16<3, 8> : quant_scores_g16<4, 8>;
+    }
+    if (gv == 8 * (8 / bits)) {
+      if (bits == 4) f.values = H == 1 ? quant_values16<1, 4> : H == 2 ? quant_values16<2, 4>
+                              : H == 3 ? quant_values16<3, 4> : quant_values16<4, 4>;
+      else f.values = H == 1 ? quant_values16<1, 8> : H == 2 ? quant_values16<2, 8>
+                    : H == 3 ? quant_values16<3, 8> : quant_values16<4, 8>;
+    }
   }
 #endif
   return f;

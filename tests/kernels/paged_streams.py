@@ -63,6 +63,10 @@ CASES = {
     "D64_h9_g3_mixed": (64, 9, 3, [quant(6, 300, 20, skip=True, coded=40), quant(7, 200, 9, skip=True, coded=17),
                                    coded(300, 50, 33), merged(70, 5), dense(600), coded(9, 4, 0),
                                    quant(1, 420, 1, skip=True, coded=3)]),
+    # the pool's 4- and 8-bit forms (the 16-lane paths of an AVX-512 host) at 5 and 2 query rows a
+    # stream: the kernel's chunks of 4 + 1 and of 2 rows
+    "D64_h5_g5_pool": (64, 5, 5, [quant(3, 3 * 48 + 5, 5), quant(4, 5 * 24 + 3, 3)]),
+    "D64_h2_g2_pool": (64, 2, 2, [quant(4, 2 * 24 + 1, 1), quant(3, 2 * 48, 0)]),
     # an odd number of heads, each its own group (7 a stream)
     "D64_h7_g7": (64, 7, 7, [quant(3, 150, 4, skip=True, coded=5), coded(40, 12, 3), dense(300),
                              quant(8, 100, 0)]),
