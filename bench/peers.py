@@ -56,6 +56,8 @@ def command(peer: str, peers_dir: Path, extra: list[str]) -> list[str]:
     if not python.exists():
         sys.exit(f"bench.peers: {python} is not here: set the peer up first ({path.parent / 'README.md'})")
     cmd = [str(python), str(path), "--checkout", str(ROOT)]
+    if peer == "llamacpp":              # its script imports modules that moved: run it through the shim
+        cmd = [str(python), "-m", "bench.peer_shim", str(path), "--checkout", str(ROOT)]
     if peer == "vllm":
         cmd += ["--jobs", str(vllm_jobs(extra))]
     return cmd + extra
