@@ -14,6 +14,7 @@ Reported prefill_s is therefore the remaining prefill only; bench/speed.py measu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -216,6 +217,8 @@ def tune(h: Harness, args) -> None:
 
 def main(argv=None) -> None:
     args = parse(argv)
+    if importlib.util.find_spec("scipy") is None:       # the rank correlation needs it: say so before the cases run
+        sys.exit("bench.quality needs scipy (the rank correlation): pip install -e '.[bench]' (make bench does)")
     h = Harness.load()
     if args.tune_needles:
         return tune(h, args)
