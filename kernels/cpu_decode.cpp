@@ -497,14 +497,11 @@ void quant_values16(const float* p, const uint8_t* vc, const uint16_t* vs, const
   for (int64_t t = 0; t < n; ++t) {
     const int64_t row = t0 + t;
     const uint8_t* vr = vc + row * BV;
-    __m512 sv, zv;                                          // the row's RUNS scales, zeros in lanes 0 .. RUNS-1
-    if (RUNS == 8) {
-      sv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(vs + row * RUNS))));
-      zv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(vz + row * RUNS))));
-    } else {
-      sv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)(vs + row * RUNS))));
-      zv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)(vz + row * RUNS))));
-    }
+    auto runs = [&](const uint16_t* x) {                   // the row's RUNS halves in lanes 0 .. RUNS-1
+      const __m128i h = RUNS == 8 ? _mm_loadu_si128((const __m128i*)x) : _mm_loadl_epi64((const __m128i*)x);
+      return _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+    };
+    const __m512 sv = runs(vs + row * RUNS), zv = runs(vz + row * RUNS);
     __m512 pw[H];
     for (int hh = 0; hh < H; ++hh) pw[hh] = _mm512_set1_ps(p[hh * stride + t]);
     for (int g = 0; g < NG; ++g) {
@@ -575,19 +572,16 @@ QuantFns pick_quant(int64_t H, int64_t D, int64_t kg, int64_t gv, int bits) {
   }
 #endif
 #if defined(__AVX512F__)
-  if (D == 64 && H >= 1 && H <= 4 && (bits == 4 || bits == 8)) {      // the pool's forms: 16 lanes
-    if (kg * bits == 24 * 8) {
-      if (bits == 4) f.scores = H == 1 ? quant_scores_g16<1, 4> : H == 2 ? quant_scores_g16<2, 4>
-                              : H == 3 ? quant_scores_g16<3, 4> : quant_scores_g16<4, 4>;
-      else f.scores = H == 1 ? quant_scores_g16<1, 8> : H == 2 ? quant_scores_g16<2, 8>
-                    : H == 3 ? quant_scores_g16<3, 8> : quant_scores_g16<4, 8>;
-    }
-    if (gv == 8 * (8 / bits)) {
-      if (bits == 4) f.values = H == 1 ? quant_values16<1, 4> : H == 2 ? quant_values16<2, 4>
-                              : H == 3 ? quant_values16<3, 4> : quant_values16<4, 4>;
-      else f.values = H == 1 ? quant_values16<1, 8> : H == 2 ? quant_values16<2, 8>
-                    : H == 3 ? quant_values16<3, 8> : quant_values16<4, 8>;
-    }
+  if (D == 64 && (bits == 4 || bits == 8)) {             // the pool's forms: 16 lanes
+    const bool keys = kg * bits == 24 * 8, values = gv == 8 * (8 / bits);
+#define KVPLAN_Q16(h, b)                                 \
+  if (H == h && bits == b) {                             \
+    if (keys) f.scores = quant_scores_g16<h, b>;         \
+    if (values) f.values = quant_values16<h, b>;         \
+  }
+    KVPLAN_Q16(1, 4) KVPLAN_Q16(2, 4) KVPLAN_Q16(3, 4) KVPLAN_Q16(4, 4)
+    KVPLAN_Q16(1, 8) KVPLAN_Q16(2, 8) KVPLAN_Q16(3, 8) KVPLAN_Q16(4, 8)
+#undef KVPLAN_Q16
   }
 #endif
   return f;

@@ -6,7 +6,7 @@ exits. Once a process holds more team threads than CPUs, libgomp's workers stop 
 regions (its "throttled" spin count: 100) and sleep on a futex instead, so each of a decode step's
 ~300 parallel regions (a layer's products, kernels, norms) waits for the kernel to wake a worker.
 A team left in a loader or helper thread made a 2k-context decode step 28 -> 36 ms on a 2-core
-AMD EPYC (docs/benchmarks.md, "Figures behind the code").
+AMD EPYC with AVX512-BF16 (avx512f avx512_bf16, no AMX) (docs/benchmarks.md, "Figures behind the code").
 
     solo(threads)   at a service's start, before its first torch op: every thread of the process
                     runs torch's ops on one thread (torch's own default for new threads too) ->
