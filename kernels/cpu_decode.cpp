@@ -1109,6 +1109,14 @@ bool prefill_tiles(int64_t mode);                                               
 torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> bits,
                               std::vector<int64_t> rows, std::vector<int64_t> vgroups, int64_t wq,
                               double scaling);                                             // cpu_quant_attention.cpp
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor y, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
+                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                            std::vector<torch::Tensor> ln_in, std::vector<torch::Tensor> ln_post, double eps,
+                            int64_t H, int64_t Hk, torch::Tensor rows, torch::Tensor write_at, int64_t R,
+                            torch::Tensor arena, std::vector<torch::Tensor> tables, torch::Tensor forms,
+                            torch::Tensor rope_cos, torch::Tensor rope_sin, int64_t page_bytes, int64_t coded_rows,
+                            int64_t entry_rows, double scaling, int64_t task_rows);       // cpu_decode_step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows");
@@ -1121,6 +1129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_attention", &quant_attention, "last queries' attention over K/V quantized on the fly, per width");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
+  m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (GIL released)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_mixed", &paged_decode_mixed,
         "decode attention over every stream of a layer in the paged pool, whatever its storage forms");
 }

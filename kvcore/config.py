@@ -92,6 +92,9 @@ class ModelConfig:
                                "(kvcore.packed_linear): faster weight reads at decode (docs/benchmarks.md)")
     cuda_graphs: bool = _env("KVPLAN_CUDA_GRAPHS", True,
                              "CUDA: decode steps replay captured graphs (executor.engine.cuda_graph); false: eager")
+    decode_layers: bool = _env("KVPLAN_DECODE_LAYERS", True,
+                               "CPU: a decode step's decoder layers in one C++ call (kernels.decode_layers); "
+                               "false: the Python loop")
     hold_freed_memory: bool = _env("KVPLAN_HOLD_FREED_MEMORY", True,
                                    "keep freed C-heap memory for reuse (kvcore.allocator): faster decode "
                                    "attention over fp16 caches on CPU")

@@ -102,6 +102,7 @@ class LoadedModel:
     head_dim: int
     max_context: int
     cuda_graphs: bool = True   # CUDA: decode steps as captured graphs (KVPLAN_CUDA_GRAPHS)
+    decode_layers: bool = True  # CPU: a decode step's layers in one C++ call (KVPLAN_DECODE_LAYERS)
 
     @property
     def device(self):
@@ -150,5 +151,5 @@ def load(cfg: ModelConfig) -> LoadedModel:
         model=model, tokenizer=tok, path=path, fingerprint=fingerprint(path),
         num_layers=c.num_hidden_layers, num_kv_heads=getattr(c, "num_key_value_heads", heads) or heads,
         num_query_heads=heads, head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        max_context=c.max_position_embeddings, cuda_graphs=cfg.cuda_graphs,
+        max_context=c.max_position_embeddings, cuda_graphs=cfg.cuda_graphs, decode_layers=cfg.decode_layers,
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from executor.engine.block_tables import BlockTables, StepTables, Writes
+from executor.engine.block_tables import TABLES, BlockTables, StepTables, Writes
 from executor.engine.compression import gather
 from executor.engine.cuda_graph import DecodeGraphs
 from executor.engine.kv_pool import KVPool
@@ -33,6 +33,7 @@ from executor.presses.context import PressContext
 from executor.presses.registry import PRESSES, check, kind
 from kernels import cpu_extension
 from kernels import decoder_ops as ops
+from kernels import decode_layers as fused_layers
 from kernels import paged_prefill as prefill_kernel
 from kernels.paged_decode import paged_decode
 from kvcore import scoring
@@ -88,6 +89,8 @@ class ModelRunner:
         self.rope_tables = self._rope_tables(lm.max_context + 64)
         self.press = PressContext(self.tables, lm.num_query_heads, self.scaling, self.rope, self.rope_tables)
         self.graphs = DecodeGraphs(self, max_seqs)
+        self.weights = fused_layers.Weights.of(lm.model) \
+            if lm.device.type == "cpu" and storage_dtype == torch.float16 and lm.decode_layers else None
         if lm.device.type == "cpu" and storage_dtype == torch.float16:
             cpu_extension.build()        # the decode kernels now (a first build compiles them), not at a job's first token
 
@@ -223,16 +226,31 @@ class ModelRunner:
         dev = self.lm.device
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                             torch.tensor(keep or [len(ids) - 1], device=dev),
-                            lambda layer, q, k, v: self.attend(step, layer, q, k, v))
+                            lambda layer, q, k, v: self.attend(step, layer, q, k, v), self._layers(step))
         self.tables.flush([seg.seq.cache.slot for seg in segments])
         for seg in segments:
             seg.seq.cache.tokens_seen += self.stored(seg)
         return logits[:len(keep)]
 
-    def model(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, attend) -> torch.Tensor:
+    def _layers(self, step: StepPlan):
+        """A CPU step of one-row decodes only (no SpeCache rows, no prefill part): its layers in one
+        call (`kernels.decode_layers`) -> layers(x, y, cos, sin) -> x; else None (the loop)."""
+        if self.weights is None or step.prefills or step.paged is not None or len(step.groups) != 1 \
+                or step.writes.valid is not None or step.groups[0].rows.shape[1] != 1 \
+                or any(seg.phase is not Phase.AFTER for seg in step.segments):
+            return None
+        lm, grp = self.lm, step.groups[0]
+        tables = [getattr(grp.tables, name) for name in TABLES]
+        return lambda x, y, cos, sin: fused_layers.decode_layers(
+            x, y, cos, sin, self.weights, self.eps, lm.num_query_heads, lm.num_kv_heads,
+            self.pool.rows(self.storage_dtype), step.writes.rows, self.pool.arena, tables, self.layout,
+            self.scaling, self.rope_tables)
+
+    def model(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, attend, fused=None) -> torch.Tensor:
         """The decoder over rows ids, pos [N] -> logits of rows `keep` [K, V]; attend(layer, q
         [N, H, D], k, v [N, H_kv, D]) -> [N, H, D] is each layer's attention. The loaded model's
-        weights and modules; its per-row ops fused (`kernels.decoder_ops`)."""
+        weights and modules; its per-row ops fused (`kernels.decoder_ops`); `fused` (a decode
+        step on the CPU, `_layers`): all layers in one call instead of the loop."""
         lm = self.lm
         m = lm.model.model
         n, h, hk, d = ids.shape[0], lm.num_query_heads, lm.num_kv_heads, lm.head_dim
@@ -241,7 +259,9 @@ class ModelRunner:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()                            # [N, D]
         layers = m.layers
         y = ops.rms_norm(x, layers[0].input_layernorm.weight, self.eps)
-        for i, layer in enumerate(layers):
+        if fused is not None:
+            y = fused(x, y, cos, sin)
+        for i, layer in enumerate(layers if fused is None else ()):
             a, mlp = layer.self_attn, layer.mlp
             q = ops.rope_(a.q_proj.forward(y).view(n, h, d), cos, sin)
             k = ops.rope_(a.k_proj.forward(y).view(n, hk, d), cos, sin)
