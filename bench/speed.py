@@ -331,15 +331,18 @@ def step_scaling(args) -> None:
     from kvcore import model as models
     from kvcore.config import ModelConfig
     lm = models.load(from_env(ModelConfig))
-    rows = [steps.measure(lm, n, args.reps) for n in args.seqs]
+    read_bps, weights = steps.bandwidth(), steps.weight_bytes(lm)
+    rows = [steps.measure(lm, n, args.reps, weights / read_bps) for n in args.seqs]
     out_dir = args.out or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = str(lm.model.dtype).removeprefix("torch.")
     (out_dir / "steps.json").write_text(json.dumps(dict(bench="steps", machine=platform.machine(), torch=torch.__version__,
                                                         host=host().as_dict(), compute_dtype=dtype,
                                                         threads=torch.get_num_threads(), rows=rows,
+                                                        weight_bytes=weights, read_bytes_per_s=read_bps,
                                                         when=time.strftime("%Y-%m-%d %H:%M")), indent=1))
-    print(f"Host: {host().describe()}; compute {dtype}, {torch.get_num_threads()} threads\n")
+    print(f"Host: {host().describe()}; compute {dtype}, {torch.get_num_threads()} threads; floor: "
+          f"{weights / 2**20:.0f} MiB of weights at {read_bps / 1e9:.1f} GB/s read\n")
     print(steps.table(rows) + f"\n\n{out_dir / 'steps.json'}")
 
 

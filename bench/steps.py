@@ -8,7 +8,12 @@ torch ops): what the engine itself spends per step.
 
 The step time is measured without a profiler; the products' and kernels' times with Python's
 profiler in a second pass (their C calls' own time, which the profiler does not inflate); the
-share outside them is 1 - (products + kernels) / step. Reported beside each other in one run."""
+share outside them is 1 - (products + kernels) / step. With the layers in one C++ call
+(`kernels.decode_layers`, KVPLAN_DECODE_LAYERS) their products are inside that kernel's time and
+the products column is the LM head's. Reported beside each other in one run,
+with the step's floor: the bytes a step must read (every weight once: the decoder's and the LM
+head's; the KV of a 1-token context is nothing) over the host's read bandwidth, measured in the
+same run (`bandwidth`: torch summing a 512 MiB tensor on the step's threads)."""
 from __future__ import annotations
 
 import cProfile
@@ -43,7 +48,34 @@ def _engine(lm, n: int, steps: int) -> LLMEngine:
     return engine
 
 
-def measure(lm, n: int, reps: int) -> dict:
+def weight_bytes(lm) -> int:
+    """Bytes of every weight a decode step reads once: the decoder's parameters and buffers (packed
+    linears hold theirs as buffers or plain tensors) and the LM head, the embeddings only for the
+    step's rows (not counted)."""
+    model, seen, total = lm.model, set(), 0
+    embed = model.get_input_embeddings().weight
+    for mod in model.model.layers.modules():
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)) + \
+                [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total + embed.numel() * embed.element_size()           # the LM head (tied or not: its size)
+
+
+def bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Bytes per second this host reads: torch summing a `mib` MiB tensor (the best of `reps`)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def measure(lm, n: int, reps: int, floor_s: float | None = None) -> dict:
     engine = _engine(lm, n, 2 * reps)
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -62,13 +94,15 @@ def measure(lm, n: int, reps: int) -> dict:
             kern += tottime
     gemm, kern = gemm / reps, kern / reps
     return dict(seqs=n, step_s=step, tok_s=n / step, gemm_s=gemm, kernels_s=kern,
-                outside_s=max(0.0, step - gemm - kern), outside_share=max(0.0, step - gemm - kern) / step)
+                outside_s=max(0.0, step - gemm - kern), outside_share=max(0.0, step - gemm - kern) / step,
+                floor_s=floor_s, over_floor=step / floor_s if floor_s else None)
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| sequences | step ms | tok/s | weight products ms | kernels ms | outside ms | outside share |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| sequences | step ms | floor ms | step / floor | tok/s | weight products ms | kernels ms | outside ms | "
+             "outside share |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['seqs']} | {1e3 * r['step_s']:.1f} | {r['tok_s']:.1f} | {1e3 * r['gemm_s']:.1f} | "
+        floor = f"{1e3 * r['floor_s']:.1f} | {r['over_floor']:.2f}x" if r.get("floor_s") else "- | -"
+        lines.append(f"| {r['seqs']} | {1e3 * r['step_s']:.1f} | {floor} | {r['tok_s']:.1f} | {1e3 * r['gemm_s']:.1f} | "
                      f"{1e3 * r['kernels_s']:.1f} | {1e3 * r['outside_s']:.1f} | {100 * r['outside_share']:.0f}% |")
     return "\n".join(lines)
