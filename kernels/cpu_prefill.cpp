@@ -16,7 +16,10 @@
 //
 // Queries fp32, bf16 or fp16, out in q's dtype. fp32 and fp16 queries: fp32 products (queries
 // converted once per task). bf16 queries on a CPU with AVX512-BF16: bf16 products summed in fp32 by
-// VDPBF16PS (twice the multiply-adds of an fp32 FMA per instruction; see `load_block_bf16`). AVX-512
+// VDPBF16PS (twice the multiply-adds of an fp32 FMA per instruction; see `load_block_bf16`), or where
+// the CPU has AMX on its tiles (see `run_task_tiles`: 32 rows × 128 keys a step; 9 heads on 3, D 64:
+// 772 GFLOP/s at 512 rows after 1536 stored, 759 at 2000 rows, where oneDNN brgemm calls per 64-key
+// block made 328 and 318 and VDPBF16PS 150, on the Xeon with AMX, 2 cores). AVX-512
 // where the compiler targets it (kernels/cpu_vec.h), 8-lane AVX2 where that is the widest (the fp32
 // core of kernels/cpu_flash.h), a scalar loop of the fp32 math elsewhere.
 //
@@ -30,6 +33,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <type_traits>
 #include <vector>
 
@@ -46,6 +51,7 @@ using flash::accumulate;
 using flash::scores;
 using flash::softmax_block;
 constexpr int64_t BQ = 64;    // query positions a task takes (times h_n query heads)
+constexpr int64_t KT2 = 128;  // keys of a block on the tile path: KT2 / KB blocks of `convert_blocks`
 
 struct Task {
   int64_t s, g, j0, nj;       // segment, KV head, first query position (of the segment's n_s), positions
@@ -56,9 +62,20 @@ struct Scratch {              // one thread's buffers, sized once per call
   std::vector<float> q, acc, p, kt, vb, m, l;
   std::vector<uint32_t> q2;            // the bf16 path: pairs of bf16 in a 32-bit word (what VDPBF16PS reads)
   std::vector<uint16_t> p2;
-  Scratch(int64_t M, int64_t D, int64_t Dp)
+  std::vector<uint32_t> tq;             // the tile path (64-byte aligned through `align64`; Mp: M rounded
+                                        // up to 32, D2p: D / 2 up to 16): queries [Mp, D2p] bf16 pairs
+  std::vector<float> tacc, ts;          // accumulators [Mp, Dp], 32 rows' scores [32, KT2]
+  std::vector<uint16_t> tp;             // their probabilities [32, KT2]
+  Scratch(int64_t M, int64_t D, int64_t Dp, bool tile)
       : q(M * Dp), acc(M * Dp), p(M * KB), kt(D * KB), vb(KB * Dp), m(M), l(M),
-        q2(M * ((D + 1) / 2)), p2(M * KB) {}
+        q2(M * ((D + 1) / 2)), p2(M * KB) {
+    if (!tile) return;
+    const int64_t Mp = (M + 31) / 32 * 32, D2p = (D + 31) / 32 * 16;
+    tq.resize(Mp * D2p + 16);
+    tacc.resize(Mp * Dp + 16);
+    ts.resize(32 * KT2 + 16);
+    tp.resize(32 * KT2 + 32);
+  }
 };
 
 struct Problem {
@@ -106,13 +123,15 @@ void load_block(const Problem& pr, const int32_t* trow, int64_t k0, int64_t nk, 
 }
 
 // Every stream's key blocks in bf16 pairs, converted once per call (a stream's blocks are read by
-// each of its query tiles): stream (s, g)'s block b at data + (first[s·H_kv + g] + b)·(KT + VB), its
-// kt2 [D2, KB] then its vb2 [KB / 2, Dp] words (`load_block_bf16`; empty where there is no bf16 path).
+// each of its query tiles): stream (s, g)'s block b at data + off + (first[s·H_kv + g] + b)·(KT + VB),
+// its kt2 [D2p, KB] (rows past D2 zero: whole tiles of 16 pair rows) then its vb2 [KB / 2, Dp] words
+// (`load_block_bf16`; empty where there is no bf16 path); a stream's blocks follow one another.
 struct Blocks {
   int64_t KT, VB;
   std::vector<int64_t> first;   // [S·H_kv + 1] a stream's first block
   std::vector<uint32_t> data;
-  const uint32_t* kt2(int64_t stream, int64_t b) const { return data.data() + (first[stream] + b) * (KT + VB); }
+  int64_t off = 0;              // data + off: 64-byte aligned
+  const uint32_t* kt2(int64_t stream, int64_t b) const { return data.data() + off + (first[stream] + b) * (KT + VB); }
   const uint32_t* vb2(int64_t stream, int64_t b) const { return kt2(stream, b) + KT; }
 };
 
@@ -203,75 +222,265 @@ inline void accumulate_bf16(float* acc, int64_t Dp, const uint16_t* p2, const fl
   }
 }
 Blocks convert_blocks(const Problem& pr, int64_t S, int64_t Hk) {
-  Blocks bl{(pr.D + 1) / 2 * KB, KB / 2 * pr.Dp, std::vector<int64_t>(S * Hk + 1, 0), {}};
+  Blocks bl{(pr.D + 31) / 32 * 16 * KB, KB / 2 * pr.Dp, std::vector<int64_t>(S * Hk + 1, 0), {}};
   for (int64_t s = 0; s < S; ++s)
     for (int64_t g = 0; g < Hk; ++g) bl.first[s * Hk + g + 1] = bl.first[s * Hk + g] + (pr.kv_len[s] + KB - 1) / KB;
   const int64_t total = bl.first.back();
-  bl.data.resize(total * (bl.KT + bl.VB));
+  bl.data.resize(total * (bl.KT + bl.VB) + 16);
+  bl.off = (64 - reinterpret_cast<uintptr_t>(bl.data.data()) % 64) % 64 / 4;
   at::parallel_for(0, total, 16, [&](int64_t b0, int64_t b1) {
     int64_t stream = std::upper_bound(bl.first.begin(), bl.first.end(), b0) - bl.first.begin() - 1;
     for (int64_t b = b0; b < b1; ++b) {
       while (bl.first[stream + 1] <= b) ++stream;
       const int64_t k0 = (b - bl.first[stream]) * KB, len = pr.kv_len[stream / Hk];
-      uint32_t* kt2 = bl.data.data() + b * (bl.KT + bl.VB);
+      uint32_t* kt2 = bl.data.data() + bl.off + b * (bl.KT + bl.VB);
       load_block_bf16(pr, pr.table + stream * pr.MB, k0, std::min(KB, len - k0), kt2, kt2 + bl.KT);
     }
   });
   return bl;
 }
 
-// The tile path (bf16 queries on a CPU with AMX): the block's two products as oneDNN brgemm calls
-// through torch (`at::native::cpublas::brgemm`, AMX tiles: bf16 products, fp32 sums) over the same
-// operands the VDPBF16PS path builds — kt2 and vb2 are already the pair-interleaved ("VNNI") B
-// layout a bf16 brgemm reads, the queries and probabilities plain bf16 rows. S = Q·Kᵀ for all M rows
-// [M, KB], then each row's online softmax, the accumulators rescaled, P rounded to bf16, O += P·V.
-// `tiles()` decides once per process (torch's own probe: whether a bf16 brgemm packs to VNNI, i.e.
-// runs on AMX); the result differs from the VDPBF16PS path's in summation order only.
+// The tile path (bf16 queries on a CPU with AMX, where the compiler targets it): both products on
+// AMX tiles through the intrinsics (TDPBF16PS: bf16 products, fp32 sums), over the operands the
+// VDPBF16PS path builds — kt2 and vb2 are already the pair-interleaved ("VNNI") B layout the tiles
+// read, the queries and probabilities plain bf16 rows. One tile shape serves every operand (16 rows
+// of 64 bytes: C 16 rows × 16 fp32, A 16 rows × 32 bf16, B 16 pair rows × 16 columns), configured
+// once per thread and call: tiles 0-3 C (2 × 2: 32 rows × 32 columns), 4-5 A, 6-7 B. A task's rows
+// (padded to a multiple of 32, the queries to D2p words, with zeros) go 32 at a time through key
+// blocks of KT2 = 128 keys (two KB blocks of `convert_blocks`, consecutive in memory, so no layout
+// change; only the KB blocks the 32 rows can see): S = Q·Kᵀ [32, ≤ 128] fp32 (L1), then one register
+// pass per row — max; 2^(s·scaling·log2 e − m), the scaling folded into the subtraction's FMA and m
+// the running max in log2 units; sum; bf16 probabilities stored — masking only rows whose keys end
+// inside the block, zeros for rows that see none of it; then O += P·V with the 32 rows' fp32
+// accumulators loaded into C tiles and stored back; a row's accumulators are rescaled only when its
+// max rises. (Moving the max only when passed by more than 2^8, probabilities then up to 256, measured
+// 10% faster but rounds the largest probability to bf16 where it is otherwise exactly 1: larger errors
+// against the fp32 reference, so not here.) Only for scaling > 0 (the raw scores' max is then the
+// scaled ones'); the VDPBF16PS path otherwise. On the Xeon with AMX (2 cores) the two
+// products take about as long as the softmax and the two do not overlap (issuing the next rows'
+// Q·Kᵀ between a softmax's rows measured the same). `tiles()` decides once per process (torch's
+// probe: whether a bf16 brgemm packs to VNNI, i.e. runs on AMX; then the kernel's permission for the
+// tile data); the result differs from the VDPBF16PS path's in summation order and exp's polynomial.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVPLAN_AMX 1
+#endif
 int tiles_mode = -1;          // -1: AMX where the CPU has it; 0: never (`prefill_tiles`, for the tests)
 
 bool tiles() {
-  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+#ifdef KVPLAN_AMX
+  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16) &&
+                          syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return amx && tiles_mode != 0;
+#else
+  return false;
+#endif
 }
 
-inline void scale_rows(float* p, int64_t n, float scaling) {
-  const __m512 sc = _mm512_set1_ps(scaling);
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(p + i, _mm512_mul_ps(_mm512_loadu_ps(p + i), sc));
+#ifdef KVPLAN_AMX
+
+struct TileConfig {                   // AMX palette 1: every tile 16 rows × 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void tiles_begin() {
+  at::native::cpublas::brgemm_release();   // torch's brgemm reconfigures on its next call
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
 }
 
-// one key block of a tile of M rows: scores, softmax, P·V; `first` the tile's first position
-void tile_block(const Problem& pr, int64_t M, int64_t first, int64_t k0, int64_t nk, const uint32_t* kt2,
-                const uint32_t* vb2, Scratch& sc) {
-  const int64_t Dp = pr.Dp, D2 = (pr.D + 1) / 2, hn = pr.hn;
-  using BF = at::BFloat16;
-  float* p = sc.p.data();
-  at::native::cpublas::brgemm(M, KB, 2 * D2, 2 * D2, KB, KB, false, reinterpret_cast<const BF*>(sc.q2.data()),
-                              reinterpret_cast<const BF*>(kt2), p, true);
-  for (int64_t i = 0; i < M; ++i) {
-    float* row = p + i * KB;
-    scale_rows(row, KB, pr.scaling);
-    const int64_t seen = std::min(nk, first + i / hn - k0 + 1);
-    const float alpha = softmax_block(row, seen, sc.m[i], sc.l[i]);
-    if (alpha != 1.f) scale_rows(sc.acc.data() + i * Dp, Dp, alpha);
-    uint16_t* p2 = sc.p2.data() + i * KB;
-    for (int v = 0; v < NV; ++v)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + 16 * v), kvplan::bf16_bits(_mm512_loadu_ps(row + 16 * v)));
+// 2^x, a degree-5 polynomial of the fraction (x - round(x) in [-0.5, 0.5]) scaled by 2^round(x)
+inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// S [32, 64·nb] (row stride KT2) = the queries q (32 rows, stride D2p words) · nb KB blocks of keys
+// from kt2 (block stride bs words); 2 × 2 C tiles (16 rows × 16 keys), each A and B tile read twice
+inline void tile_scores(const uint32_t* q, int64_t D2p, const uint32_t* kt2, int64_t bs, int nb, float* S) {
+  for (int b = 0; b < nb; ++b)
+    for (int h = 0; h < 2; ++h) {                          // 32 keys
+      const uint32_t* kt = kt2 + b * bs + 32 * h;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t d = 0; d < D2p; d += 16) {
+        _tile_loadd(4, q + d, D2p * 4);
+        _tile_loadd(6, kt + d * KB, KB * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, kt + d * KB + 16, KB * 4);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, q + 16 * D2p + d, D2p * 4);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* o = S + b * KB + 32 * h;
+      _tile_stored(0, o, KT2 * 4);
+      _tile_stored(1, o + 16, KT2 * 4);
+      _tile_stored(2, o + 16 * KT2, KT2 * 4);
+      _tile_stored(3, o + 16 * KT2 + 16, KT2 * 4);
+    }
+}
+
+// acc (32 rows, stride Dp) columns [0, 16·NC) += P [32, 64·nb] (bf16, row stride KT2) · V of nb KB
+// blocks from vb2 (block stride bs words, columns from the same offset as acc's)
+template <int NC>
+inline void tile_pv(const uint16_t* P, const uint32_t* vb2, int64_t bs, int nb, int64_t Dp, float* acc) {
+  _tile_loadd(0, acc, Dp * 4);
+  _tile_loadd(2, acc + 16 * Dp, Dp * 4);
+  if (NC > 1) _tile_loadd(1, acc + 16, Dp * 4);
+  if (NC > 1) _tile_loadd(3, acc + 16 * Dp + 16, Dp * 4);
+  for (int b = 0; b < nb; ++b)
+    for (int h = 0; h < 2; ++h) {                          // 32 keys: 16 pair rows of vb2
+      const uint32_t* v = vb2 + b * bs + 16 * h * Dp;
+      const uint16_t* p = P + b * KB + 32 * h;
+      _tile_loadd(4, p, KT2 * 2);
+      _tile_loadd(6, v, Dp * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      if (NC > 1) _tile_loadd(7, v + 16, Dp * 4);
+      if (NC > 1) _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, p + 16 * KT2, KT2 * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NC > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  _tile_stored(0, acc, Dp * 4);
+  _tile_stored(2, acc + 16 * Dp, Dp * 4);
+  if (NC > 1) _tile_stored(1, acc + 16, Dp * 4);
+  if (NC > 1) _tile_stored(3, acc + 16 * Dp + 16, Dp * 4);
+}
+
+// one row's scores s [16·V] with `seen` keys visible (1 .. 16·V) -> bf16 probabilities p2 (0 past
+// seen), its running max m (log2 units) and sum l updated, its accumulator row rescaled when m rises
+template <int V>
+inline void tile_softmax_row(const float* s, int64_t seen, float c, float& m, float& l, float* acc, int64_t Dp,
+                             uint16_t* p2) {
+  __m512 x[V];
+  __mmask16 keep[V];
+  const bool masked = seen < 16 * V;
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int v = 0; v < V; ++v) {
+    if (masked) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, seen - 16 * v));
+      keep[v] = (__mmask16)((1u << n) - 1u);
+      x[v] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), keep[v], s + 16 * v);
+    } else {
+      x[v] = _mm512_loadu_ps(s + 16 * v);
+    }
+    mx = _mm512_max_ps(mx, x[v]);
   }
-  at::native::cpublas::brgemm(M, Dp, KB, KB, Dp, Dp, true, reinterpret_cast<const BF*>(sc.p2.data()),
-                              reinterpret_cast<const BF*>(vb2), sc.acc.data(), true);
+  const float bm = _mm512_reduce_max_ps(mx) * c;
+  if (bm > m) {                                           // a new max: rescale (not at the first block: acc and l 0)
+    if (m != -INFINITY) {
+      const float alpha = std::exp2(m - bm);
+      l *= alpha;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), av));
+    }
+    m = bm;
+  }
+  const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < V; ++v) {
+    __m512 e = exp2_16(_mm512_fmsub_ps(x[v], cv, mv));
+    if (masked) e = _mm512_maskz_mov_ps(keep[v], e);
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + 16 * v), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  l += _mm512_reduce_add_ps(sum);
 }
+
+template <typename T>
+T* align64(std::vector<T>& v) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+// one task on the tiles: rows (position j, head hh) as row i = j·h_n + hh, 32 at a time
+void run_task_tiles(const Problem& pr, const Task& t, const Blocks& bl, const kvplan::bf16* q, kvplan::bf16* out,
+                    Scratch& sc) {
+  const int64_t D = pr.D, Dp = pr.Dp, hn = pr.hn, H = pr.H, D2p = (D + 31) / 32 * 16;
+  const int64_t q0 = pr.q_start[t.s], n = pr.q_start[t.s + 1] - q0, len = pr.kv_len[t.s];
+  const int64_t M = t.nj * hn, pairs = (M + 31) / 32, first = len - n + t.j0;
+  const int64_t stream = t.s * (H / hn) + t.g, bs = bl.KT + bl.VB;
+  uint32_t* q2 = align64(sc.tq);
+  float *acc = align64(sc.tacc), *S = align64(sc.ts);
+  uint16_t* P = align64(sc.tp);
+  auto* q16 = reinterpret_cast<uint16_t*>(q2);
+  std::fill(q16, q16 + pairs * 32 * 2 * D2p, uint16_t(0));
+  for (int64_t j = 0; j < t.nj; ++j)                            // its h_n heads, contiguous
+    for (int64_t hh = 0; hh < hn; ++hh)
+      std::memcpy(q16 + (j * hn + hh) * 2 * D2p, q + ((q0 + t.j0 + j) * H + t.g * hn + hh) * D, D * sizeof(uint16_t));
+  std::fill(acc, acc + pairs * 32 * Dp, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + M, -INFINITY);
+  std::fill(sc.l.begin(), sc.l.begin() + M, 0.f);
+  const float c = pr.scaling * 1.4426950408889634f;
+  const int64_t last = first + t.nj - 1;                        // keys [0, last] are seen by some row
+  for (int64_t k0 = 0; k0 <= last; k0 += KT2) {
+    const int64_t nk = std::min(KT2, last + 1 - k0);
+    const uint32_t* kt2 = bl.kt2(stream, k0 / KB);
+    const uint32_t* vb2 = kt2 + bl.KT;
+    for (int64_t st = 0; st < pairs; ++st) {                    // rows [32·st, 32·st + 32)
+      const int64_t top = first + std::min(st * 32 + 31, M - 1) / hn;
+      const int nb = (int)((std::min(nk, top - k0 + 1) + KB - 1) / KB);   // KB blocks its rows see
+      if (nb <= 0) continue;
+      tile_scores(q2 + st * 32 * D2p, D2p, kt2, bs, nb, S);
+      for (int64_t r = 0; r < 32; ++r) {
+        const int64_t i = st * 32 + r;
+        uint16_t* p2 = P + r * KT2;
+        const int64_t seen = i < M ? std::min(nk, first + i / hn - k0 + 1) : 0;
+        if (seen <= 0) {
+          std::fill(p2, p2 + nb * KB, uint16_t(0));
+          continue;
+        }
+        const float* s = S + r * KT2;
+        float* a = acc + i * Dp;
+        static_assert(KT2 == 2 * KB, "one or two KB blocks");
+        if (nb == 1) tile_softmax_row<4>(s, seen, c, sc.m[i], sc.l[i], a, Dp, p2);
+        else tile_softmax_row<8>(s, seen, c, sc.m[i], sc.l[i], a, Dp, p2);
+      }
+      float* as = acc + st * 32 * Dp;
+      int64_t c0 = 0;
+      for (; c0 + 32 <= Dp; c0 += 32) tile_pv<2>(P, vb2 + c0, bs, nb, Dp, as + c0);
+      if (c0 < Dp) tile_pv<1>(P, vb2 + c0, bs, nb, Dp, as + c0);
+    }
+  }
+  for (int64_t j = 0; j < t.nj; ++j) {
+    kvplan::bf16* dst = out + ((q0 + t.j0 + j) * H + t.g * hn) * D;
+    for (int64_t hh = 0; hh < hn; ++hh) {
+      const int64_t i = j * hn + hh;
+      const float inv = 1.f / sc.l[i];
+      const __m512 iv = _mm512_set1_ps(inv);
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) kvplan::store16(dst + hh * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + i * Dp + d), iv));
+      for (; d < D; ++d) dst[hh * D + d] = kvplan::from_f<kvplan::bf16>(acc[i * Dp + d] * inv);
+    }
+  }
+}
+#endif
 #endif
 
 // one task: rows (position j, head hh) as row i = j·h_n + hh of the tile
 template <typename T>
 void run_task(const Problem& pr, const Task& t, const Blocks& bl, const T* q, T* out, Scratch& sc) {
+#ifdef KVPLAN_AMX
+  if constexpr (std::is_same<T, kvplan::bf16>::value)
+    if (tiles() && pr.scaling > 0) return run_task_tiles(pr, t, bl, q, out, sc);   // ... or AMX tiles
+#endif
   const int64_t D = pr.D, Dp = pr.Dp, hn = pr.hn, H = pr.H, D2 = (D + 1) / 2;
   const int64_t q0 = pr.q_start[t.s], n = pr.q_start[t.s + 1] - q0, len = pr.kv_len[t.s];
   const int64_t M = t.nj * hn, first = len - n + t.j0;          // the tile's first position
   const int32_t* trow = pr.table + (t.s * (H / hn) + t.g) * pr.MB;
 #ifdef KVPLAN_DPBF16
   constexpr bool pairs = std::is_same<T, kvplan::bf16>::value;  // bf16 queries: the VDPBF16PS path
-  const bool amx = pairs && tiles();                            // ... or AMX tiles where the CPU has them
 #else
   constexpr bool pairs = false;
 #endif
@@ -301,10 +510,6 @@ void run_task(const Problem& pr, const Task& t, const Blocks& bl, const T* q, T*
 #ifdef KVPLAN_DPBF16
     const int64_t stream = t.s * (H / hn) + t.g;
     const uint32_t *kt2 = pairs ? bl.kt2(stream, k0 / KB) : nullptr, *vb2 = pairs ? bl.vb2(stream, k0 / KB) : nullptr;
-    if (pairs && amx) {
-      tile_block(pr, M, first, k0, nk, kt2, vb2, sc);
-      continue;
-    }
     if (pairs) {
       int64_t i = 0;
       for (; i + 4 <= M; i += 4) scores_bf16<4>(sc.q2.data() + i * D2, D2, kt2, D2, pr.scaling, p + i * KB);
@@ -425,11 +630,17 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor arena, torch::Tensor 
     const T* qp = reinterpret_cast<const T*>(q.data_ptr());
     T* op = reinterpret_cast<T*>(out.data_ptr());
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      Scratch sc(BQ * hn, D, pr.Dp);
+#ifdef KVPLAN_AMX
+      const bool amx = std::is_same<T, kvplan::bf16>::value && tiles() && pr.scaling > 0;
+      if (amx) tiles_begin();
+#else
+      const bool amx = false;
+#endif
+      Scratch sc(BQ * hn, D, pr.Dp, amx);
       for (int64_t th = b; th < e; ++th)
         for (int64_t i : plan[th]) run_task<T>(pr, tasks[i], bl, qp, op, sc);
-#ifdef KVPLAN_DPBF16
-      if (std::is_same<T, kvplan::bf16>::value && tiles()) at::native::cpublas::brgemm_release(true);
+#ifdef KVPLAN_AMX
+      if (amx) _tile_release();
 #endif
     });
   };
