@@ -4,6 +4,7 @@ dequantized rows are within half a quantization step of the full-precision rows;
 is close to dense attention; decode keeps the full-precision tail short and quantizes whole pages;
 under eviction the layer keeps exactly the rows an evicted layer keeps; plans the pool cannot hold
 are refused before any work."""
+import dataclasses
 import pytest
 import torch
 
@@ -109,7 +110,8 @@ def test_decode_keeps_the_tail_short_and_quantizes_whole_groups(tiny_model, resi
     lay = Layout(D)
     g = lay.group_rows(4)
     plan = plan_of(tiny_model.num_layers, quant=Quant(bits=4, group_size=g, residual=residual))
-    runner, cache = prefill(tiny_model, plan)
+    loop = dataclasses.replace(tiny_model, decode_layers=False)     # the Python loop: its writes are recorded
+    runner, cache = prefill(loop, plan)
     full = dense_kv(tiny_model)
     tables = cache.tables
     handed: dict[int, list[torch.Tensor]] = {}                      # layer -> [(k, v) [1, H_kv, D]]
