@@ -100,16 +100,7 @@ def decode_layers(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torc
                                        layout, scaling, rope)
     return mod.decode_layers(x, y, cos.contiguous(), sin.contiguous(), w.qkv, w.o, w.gate_up, w.down, w.ln_in,
                              w.ln_post, float(eps), heads, kv_heads, rows, write_at, layout.rows, arena,
-                             [t.contiguous() for t in tables], _forms(layout), rope[0].float().contiguous(),
+                             [t.contiguous() for t in tables], form_table(layout), rope[0].float().contiguous(),
                              rope[1].float().contiguous(), layout.page_bytes, layout.coded_rows, layout.entry_rows,
                              float(scaling), TASK_ROWS)
 
-
-_FORMS: dict = {}
-
-
-def _forms(layout: Layout) -> torch.Tensor:
-    """`form_table(layout)`, made once per layout."""
-    if layout not in _FORMS:
-        _FORMS[layout] = form_table(layout)
-    return _FORMS[layout]

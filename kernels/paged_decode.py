@@ -24,6 +24,7 @@ Shapes: G streams, h query rows per stream (a step's query heads of the KV head,
 D head dim, MB table widths, F quant forms, T positions of the RoPE tables."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,10 @@ class CodedRows:
                    k, v)
 
 
+@functools.lru_cache(maxsize=None)
 def form_table(layout: Layout) -> torch.Tensor:
-    """[F, 4] int32: each quant form's bits, rows, key group and value group."""
+    """[F, 4] int32: each quant form's bits, rows, key group and value group (made once per layout;
+    read only)."""
     return torch.tensor([[f.bits, f.rows, f.key_group, f.value_group] for f in layout.quant_forms], dtype=torch.int32)
 
 
