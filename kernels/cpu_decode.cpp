@@ -5,12 +5,15 @@
 // Also the pool's quantizers (`quantize_pack`, `dequantized_forms`: kernels/quant.py).
 //
 // Split-K (flash-decoding): each stream's pages are cut into runs of a fixed size, each (stream,
-// run) task keeps its running max, sum and h accumulators, and the runs combine in a fixed order —
-// the same result whatever the thread count or the other streams of the call. torch's own thread
-// pool (at::parallel_for), so no second thread team competes with it. AVX2 + F16C + FMA fast paths
-// (8 floats a register) for the shapes kvplan runs, 16-lane AVX-512 ones for dense rows and the
-// pool's 4- and 8-bit forms where the host has it; any other shape runs a scalar loop of the same
-// math.
+// run) task keeps its running max, sum and h accumulators in its own slot, and the runs combine in
+// a fixed order — the same result whatever the thread count, whichever thread ran a task, or the
+// other streams of the call. torch's own thread pool (at::parallel_for), so no second thread team
+// competes with it; its threads take tasks one after another from a shared counter, so unequal
+// tasks (a stream's last run, other forms) or a thread the host holds back leave no thread
+// waiting on a fixed share. AVX2 + F16C + FMA fast paths (8 floats a register) for the shapes
+// kvplan runs, 16-lane AVX-512 ones for dense rows (a task's pages in one pass: each 16-key
+// block's scores, online softmax and values, the pages ahead prefetched) and the pool's 4- and
+// 8-bit forms where the host has it; any other shape runs a scalar loop of the same math.
 //
 // Shapes: G streams; h query rows per stream; D head dim; g rows a quant page, g_k a key group's
 // rows, g_v a value group's channels; R dense rows a page.
@@ -18,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -43,21 +47,50 @@ inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 inline float half1(uint16_t x) { return _cvtsh_ss(x); }
 
 // scores s [h, n] (already scaled) -> probabilities in place, with the block's max and sum; a
-// head that sees no row of the block gets m = -inf, z = 0 (it weighs nothing when blocks combine)
+// head that sees no row of the block gets m = -inf, z = 0 (it weighs nothing when blocks combine).
+// The max and the exponentials 16 lanes a step on an AVX-512 host (a tail's lanes masked), 8 on an
+// AVX2 one then a scalar tail (a NaN score is passed over by the max as by the scalar loop, and
+// kept by the exponential).
 void softmax_rows(float* s, int64_t h, int64_t n, int64_t stride, float* m, float* z) {
   for (int64_t j = 0; j < h; ++j) {
     float* sj = s + j * stride;
     float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = sj[t] > mx ? sj[t] : mx;
+    int64_t t = 0;
+#if defined(KVPLAN_AVX512)
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);       // a tail's missing lanes: -inf, weight 0
+    __m512 m16 = ninf;
+    for (; t < n; t += 16) {
+      const __mmask16 in = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+      m16 = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, in, sj + t), m16);
+    }
+    mx = _mm512_reduce_max_ps(m16);
+#elif defined(KVPLAN_AVX2)
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(sj + t), m8);
+    mx = kvplan::hmax8(m8);
+#endif
+    for (; t < n; ++t) mx = sj[t] > mx ? sj[t] : mx;
     m[j] = mx;
     if (mx == -INFINITY) {
       z[j] = 0.f;
       std::fill(sj, sj + n, 0.f);
       continue;
     }
-    int64_t t = 0;
+    t = 0;
     float zz = 0.f;
-#ifdef KVPLAN_AVX2
+#if defined(KVPLAN_AVX512)
+    const __m512 mj = _mm512_set1_ps(mx);
+    __m512 zs = _mm512_setzero_ps();
+    for (; t < n; t += 16) {
+      const __mmask16 in = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+      const __m512 x = _mm512_mask_loadu_ps(ninf, in, sj + t);
+      const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ),
+                                           kvplan::exp_neg16(_mm512_sub_ps(x, mj)));
+      _mm512_mask_storeu_ps(sj + t, in, p);
+      zs = _mm512_add_ps(zs, p);
+    }
+    zz = _mm512_reduce_add_ps(zs);
+#elif defined(KVPLAN_AVX2)
     const __m256 mj = _mm256_set1_ps(mx);
     __m256 zs = _mm256_setzero_ps();
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
@@ -75,108 +108,299 @@ void softmax_rows(float* s, int64_t h, int64_t n, int64_t stride, float* m, floa
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dense fp16 rows: one (group, block) of n rows. q [h, D] pre-scaled; k, v rows kst / vst apart.
-void dense_scores_any(const float* q, const uint16_t* k, int64_t kst, int64_t n, int64_t h, int64_t D, float* s,
+// Dense fp16 rows. A split-K task's rows come as segments, one a page (n K rows at k, their V rows
+// at v, rows D apart); q [h, D] pre-scaled. Two passes (AVX2, scalar): scores s [h, n] (the task's
+// row t in column t, over its segments in order), `softmax_rows`, values a [h, D] over all of
+// them. One pass (AVX-512, `dense_task16`): m, z, a of the task straight from its pages.
+struct DenseSeg {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t n;
+};
+
+// The scores ask for the rows PREFETCH_SEGS segments (pages) ahead of the one they read, a pair of
+// rows' lines beside each pair of keys scored (a page's lines at once stall on the line fill
+// buffers with nothing to overlap them): K rows into L1 (scored first), V rows into L2 (weighed
+// after the block's scores, or the task's in two passes). Pages lie anywhere in the pool, so the
+// hardware's streams stop at each (without these, one pass read ~20% slower on 2 threads of a
+// Xeon). A task's first segments are asked for at its start (and in one pass by the task before
+// it on the thread). The helpers are always inlined: GCC 12's mod/ref analysis takes a function
+// that only prefetches for one without effects and drops its calls, prefetches and all.
+constexpr int64_t PREFETCH_SEGS = 2;
+
+__attribute__((always_inline)) inline void prefetch_lines(const void* k, const void* v, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(k) + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v) + o, _MM_HINT_T1);
+  }
+}
+
+// a task's first PREFETCH_SEGS segments; the segment PREFETCH_SEGS after i (nullptr: none)
+__attribute__((always_inline)) inline const DenseSeg* prefetch_start(const DenseSeg* seg, int64_t nseg, int64_t i,
+                                                                     int64_t D) {
+  if (i == 0)
+    for (int64_t j = 0; j < PREFETCH_SEGS && j < nseg; ++j) prefetch_lines(seg[j].k, seg[j].v, seg[j].n * D * 2);
+  return i + PREFETCH_SEGS < nseg ? seg + i + PREFETCH_SEGS : nullptr;
+}
+
+// one segment's n rows k for h query rows (columns [0, n) of s); a += p [h, n] . its n rows v
+void dense_scores_any(const float* q, const uint16_t* k, int64_t n, int64_t h, int64_t D, float* s,
                       int64_t stride) {
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = 0; j < h; ++j) {
       float d = 0.f;
-      for (int64_t e = 0; e < D; ++e) d += q[j * D + e] * half1(k[t * kst + e]);
+      for (int64_t e = 0; e < D; ++e) d += q[j * D + e] * half1(k[t * D + e]);
       s[j * stride + t] = d;
     }
 }
 
-void dense_values_any(const float* p, const uint16_t* v, int64_t vst, int64_t n, int64_t h, int64_t D, float* a,
+void dense_values_any(const float* p, const uint16_t* v, int64_t n, int64_t h, int64_t D, float* a,
                       int64_t stride) {
-  std::fill(a, a + h * D, 0.f);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t j = 0; j < h; ++j)
-      for (int64_t e = 0; e < D; ++e) a[j * D + e] += p[j * stride + t] * half1(v[t * vst + e]);
+      for (int64_t e = 0; e < D; ++e) a[j * D + e] += p[j * stride + t] * half1(v[t * D + e]);
 }
 
+// Scores a block of keys at a time with vertical FMAs only: each key's H dot products as W-lane
+// partial sums (q . k channel by channel, the K row converted once for the H query rows), then
+// the block's W vectors of partials summed into one vector with key t in lane t, by a tree of
+// shuffles and adds in which every key's lanes add in the same order (where a horizontal sum per
+// key and query row took most of the scores' time). A block past the segment's rows gets zeros for
+// the keys it lacks and stores only its own.
 #ifdef KVPLAN_AVX2
+// 8 lanes: key t's partials for each query row (zeros for a key past the block's nk)
 template <int H, int DV>
-void dense_scores(const float* q, const uint16_t* k, int64_t kst, int64_t n, float* s, int64_t stride) {
-  for (int64_t t = 0; t < n; ++t) {
-    __m256 acc[H];
-    for (int j = 0; j < H; ++j) acc[j] = _mm256_setzero_ps();
-    for (int c = 0; c < DV; ++c) {
-      const __m256 kr = half8(k + t * kst + c * 8);
-      for (int j = 0; j < H; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (j * DV + c) * 8), kr, acc[j]);
-    }
-    for (int j = 0; j < H; ++j) s[j * stride + t] = hsum8(acc[j]);
+inline void row_dots8(const float* q, const uint16_t* k, bool live, __m256* d) {
+  for (int j = 0; j < H; ++j) d[j] = _mm256_setzero_ps();
+  if (!live) return;
+  for (int c = 0; c < DV; ++c) {
+    const __m256 kr = half8(k + c * 8);
+    for (int j = 0; j < H; ++j) d[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (j * DV + c) * 8), kr, d[j]);
   }
 }
 
+// scores of keys [0, nk) (nk <= 8, rows 8 * DV apart) for H query rows: out[j] lane t = q_j . k_t
+// (hadd pairs lanes, twice: lanes 0-3 of each half hold keys 0-3, then 4-7; the halves' sums last)
 template <int H, int DV>
-void dense_values(const float* p, const uint16_t* v, int64_t vst, int64_t n, float* a, int64_t stride) {
-  for (int j = 0; j < H; ++j) {          // one query head at a time: DV accumulators in registers
+inline void dense_block8(const float* q, const uint16_t* k, int nk, __m256* out, const uint16_t* pk,
+                         const uint16_t* pv) {
+  constexpr int D = 8 * DV;
+  __m256 r2[H][2];
+#pragma GCC unroll 2
+  for (int quad = 0; quad < 2; ++quad) {
+    __m256 r1[H][2];
+#pragma GCC unroll 2
+    for (int pr = 0; pr < 2; ++pr) {
+      const int t = quad * 4 + pr * 2;
+      __m256 da[H], db[H];
+      row_dots8<H, DV>(q, k + t * D, t < nk, da);
+      row_dots8<H, DV>(q, k + (t + 1) * D, t + 1 < nk, db);
+      if (pk) prefetch_lines(pk + t * D, pv + t * D, 4 * D);
+      for (int j = 0; j < H; ++j) r1[j][pr] = _mm256_hadd_ps(da[j], db[j]);
+    }
+    for (int j = 0; j < H; ++j) r2[j][quad] = _mm256_hadd_ps(r1[j][0], r1[j][1]);
+  }
+  for (int j = 0; j < H; ++j)
+    out[j] = _mm256_add_ps(_mm256_permute2f128_ps(r2[j][0], r2[j][1], 0x20),
+                           _mm256_permute2f128_ps(r2[j][0], r2[j][1], 0x31));
+}
+
+template <int H, int DV>
+void dense_scores(const float* q, const DenseSeg* seg, int64_t nseg, float* s, int64_t stride) {
+  constexpr int D = 8 * DV;
+  int64_t t0 = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    const DenseSeg* ahead = prefetch_start(seg, nseg, i, D);
+    for (int64_t b = 0; b < seg[i].n; b += 8) {
+      const int nk = (int)std::min<int64_t>(8, seg[i].n - b);
+      const bool pf = ahead && b < ahead->n;
+      __m256 out[H];
+      dense_block8<H, DV>(q, seg[i].k + b * D, nk, out, pf ? ahead->k + b * D : nullptr,
+                          pf ? ahead->v + b * D : nullptr);
+      float* st = s + t0 + b;
+      for (int j = 0; j < H; ++j) {
+        if (nk == 8) { _mm256_storeu_ps(st + j * stride, out[j]); continue; }
+        alignas(32) float buf[8];
+        _mm256_store_ps(buf, out[j]);
+        std::copy(buf, buf + nk, st + j * stride);
+      }
+    }
+    t0 += seg[i].n;
+  }
+}
+
+// a [H, D] = p [H, n] . v: one query row at a time, its DV accumulators in registers over every segment
+template <int H, int DV>
+void dense_values(const float* p, const DenseSeg* seg, int64_t nseg, float* a, int64_t stride) {
+  constexpr int D = 8 * DV;
+  for (int j = 0; j < H; ++j) {
     const float* pj = p + j * stride;
     __m256 acc[DV];
     for (int c = 0; c < DV; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 w = _mm256_set1_ps(pj[t]);
-      for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(w, half8(v + t * vst + c * 8), acc[c]);
+    int64_t t0 = 0;
+    for (int64_t i = 0; i < nseg; ++i) {
+      const uint16_t* v = seg[i].v;
+      for (int64_t t = 0; t < seg[i].n; ++t) {
+        const __m256 w = _mm256_set1_ps(pj[t0 + t]);
+        for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(w, half8(v + t * D + c * 8), acc[c]);
+      }
+      t0 += seg[i].n;
     }
     for (int c = 0; c < DV; ++c) _mm256_storeu_ps(a + (j * DV + c) * 8, acc[c]);
   }
 }
 #endif
 
-#if defined(__AVX512F__)
-// The same on 16 lanes (an AVX-512 host): a row's D channels as D / 16 vectors, each fp16 row
-// converted once; values key by key with every head's accumulators in registers (the row converted
-// once for all H heads, where the 8-lane loop converts it once per head).
+#if defined(KVPLAN_AVX512)
+// 16 lanes (an AVX-512 host): blocks of 16 keys, a row's D channels as D / 16 vectors, and the
+// whole task in one pass (`dense_task16`).
 template <int H, int DV>
-void dense_scores16(const float* q, const uint16_t* k, int64_t kst, int64_t n, float* s, int64_t stride) {
-  __m512 qv[H][DV];
-  for (int j = 0; j < H; ++j)
-    for (int c = 0; c < DV; ++c) qv[j][c] = _mm512_loadu_ps(q + (j * DV + c) * 16);
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 kr[DV];
-    for (int c = 0; c < DV; ++c) kr[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(k + t * kst + c * 16)));
-    for (int j = 0; j < H; ++j) {
-      __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);
-      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(qv[j][c], kr[c], acc);
-      s[j * stride + t] = _mm512_reduce_add_ps(acc);
-    }
+inline void row_dots16(const float* q, const uint16_t* k, bool live, __m512* d) {
+  for (int j = 0; j < H; ++j) d[j] = _mm512_setzero_ps();
+  if (!live) return;
+  for (int c = 0; c < DV; ++c) {
+    const __m512 kr = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(k + c * 16)));
+    for (int j = 0; j < H; ++j) d[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (j * DV + c) * 16), kr, d[j]);
   }
 }
 
+// pair sums: within each 128-bit lane, a's and b's lanes (0+2, 1+3) interleaved
+inline __m512 sum_pair(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+// two pair sums (keys a, b and c, d) -> each 128-bit lane holds keys a, b, c, d
+inline __m512 sum_quad(__m512 x, __m512 y) {
+  const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)), _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));
+}
+// 128-bit lanes 0+1 and 2+3 of x, then of y (keys of x's lane pairs first)
+inline __m512 sum_lanes(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// scores of keys [0, nk) (nk <= 16, rows 16 * DV apart) for H query rows: out[j] lane t = q_j . k_t.
+// Keys four at a time to one vector a quad (each 128-bit lane: keys 4u .. 4u+3, that lane's share),
+// quads 0-1 and 2-3 to one vector a half, the halves to the block's: keys in order. Beside each
+// pair of keys, the lines of the same two rows of the segment ahead (pk, pv; nullptr: none).
 template <int H, int DV>
-void dense_values16(const float* p, const uint16_t* v, int64_t vst, int64_t n, float* a, int64_t stride) {
-  __m512 acc[H][DV];
-  for (int j = 0; j < H; ++j)
+inline void dense_block16(const float* q, const uint16_t* k, int nk, __m512* out, const uint16_t* pk,
+                          const uint16_t* pv) {
+  constexpr int D = 16 * DV;
+  __m512 r3[H][2];
+#pragma GCC unroll 2
+  for (int half = 0; half < 2; ++half) {
+    __m512 r2[H][2];
+#pragma GCC unroll 2
+    for (int quad = 0; quad < 2; ++quad) {
+      __m512 r1[H][2];
+#pragma GCC unroll 2
+      for (int pr = 0; pr < 2; ++pr) {
+        const int t = half * 8 + quad * 4 + pr * 2;
+        __m512 da[H], db[H];
+        row_dots16<H, DV>(q, k + t * D, t < nk, da);
+        row_dots16<H, DV>(q, k + (t + 1) * D, t + 1 < nk, db);
+        if (pk) prefetch_lines(pk + t * D, pv + t * D, 4 * D);
+        for (int j = 0; j < H; ++j) r1[j][pr] = sum_pair(da[j], db[j]);
+      }
+      for (int j = 0; j < H; ++j) r2[j][quad] = sum_quad(r1[j][0], r1[j][1]);
+    }
+    for (int j = 0; j < H; ++j) r3[j][half] = sum_lanes(r2[j][0], r2[j][1]);
+  }
+  for (int j = 0; j < H; ++j) out[j] = sum_lanes(r3[j][0], r3[j][1]);
+}
+
+// A task's dense rows for H query rows in one pass, block by block (16 keys of a segment): the
+// block's scores, each row's running max raised to the block's (its sum and accumulators scaled by
+// e^(old - new) when it rises), the block's probabilities e^(s - max) into the sum, then the
+// block's V rows, each converted once for the H rows and weighed by every row's broadcast
+// probability -> m, z [H], a [H, D] (what `softmax_rows` and the values give, bar the rescaling's
+// rounding). A page's K and V rows are read together, so the loads it waits on spread evenly over
+// the task; the segments ahead are asked for beside the scores (prefetch_lines), past the task's
+// end those of `after` (the thread's next task, when dense; nafter 0: none).
+template <int H, int DV>
+void dense_task16(const float* q, const DenseSeg* seg, int64_t nseg, const DenseSeg* after, int64_t nafter,
+                  float* m, float* z, float* a) {
+  constexpr int D = 16 * DV;
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 acc[H][DV], zs[H];
+  float mr[H];
+  for (int j = 0; j < H; ++j) {
     for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 vr[DV];
-    for (int c = 0; c < DV; ++c) vr[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v + t * vst + c * 16)));
-    for (int j = 0; j < H; ++j) {
-      const __m512 w = _mm512_set1_ps(p[j * stride + t]);
-      for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(w, vr[c], acc[j][c]);
+    zs[j] = _mm512_setzero_ps();
+    mr[j] = -INFINITY;
+  }
+  for (int64_t i = 0; i < std::min<int64_t>(PREFETCH_SEGS, nseg); ++i)
+    prefetch_lines(seg[i].k, seg[i].v, seg[i].n * D * 2);
+  for (int64_t i = 0; i < nseg; ++i) {
+    const int64_t ia = i + PREFETCH_SEGS;
+    const DenseSeg* ahead = ia < nseg ? seg + ia : ia - nseg < nafter ? after + (ia - nseg) : nullptr;
+    const uint16_t* v = seg[i].v;
+    for (int64_t b = 0; b < seg[i].n; b += 16) {
+      const int nk = (int)std::min<int64_t>(16, seg[i].n - b);
+      const __mmask16 in = (__mmask16)((1u << nk) - 1);
+      const bool pf = ahead && b < ahead->n;
+      __m512 sc[H];
+      dense_block16<H, DV>(q, seg[i].k + b * D, nk, sc, pf ? ahead->k + b * D : nullptr,
+                           pf ? ahead->v + b * D : nullptr);
+      alignas(64) float pb[H][16];
+      for (int j = 0; j < H; ++j) {
+        const __m512 x = _mm512_mask_mov_ps(ninf, in, sc[j]);          // keys past the block: -inf
+        const float bm = _mm512_reduce_max_ps(x);
+        if (bm > mr[j]) {                                              // the max rises: rescale
+          const __m512 f = mr[j] == -INFINITY ? _mm512_setzero_ps() : kvplan::exp_neg16(_mm512_set1_ps(mr[j] - bm));
+          for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_mul_ps(acc[j][c], f);
+          zs[j] = _mm512_mul_ps(zs[j], f);
+          mr[j] = bm;
+        }
+        __m512 p = _mm512_setzero_ps();                                 // (no finite score yet: none weighs)
+        if (mr[j] != -INFINITY)
+          p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ),
+                                  kvplan::exp_neg16(_mm512_sub_ps(x, _mm512_set1_ps(mr[j]))));
+        zs[j] = _mm512_add_ps(zs[j], p);
+        _mm512_store_ps(pb[j], p);
+      }
+      for (int t = 0; t < nk; ++t) {
+        __m512 vr[DV];
+        for (int c = 0; c < DV; ++c)
+          vr[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v + (b + t) * D + c * 16)));
+        for (int j = 0; j < H; ++j) {
+          const __m512 w = _mm512_set1_ps(pb[j][t]);
+          for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(w, vr[c], acc[j][c]);
+        }
+      }
     }
   }
-  for (int j = 0; j < H; ++j)
+  for (int j = 0; j < H; ++j) {
+    m[j] = mr[j];
+    z[j] = mr[j] == -INFINITY ? 0.f : _mm512_reduce_add_ps(zs[j]);
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(a + (j * DV + c) * 16, acc[j][c]);
+  }
 }
 #endif
 
-using ScoresFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
-using ValuesFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+using ScoresFn = void (*)(const float*, const DenseSeg*, int64_t, float*, int64_t);
+using ValuesFn = void (*)(const float*, const DenseSeg*, int64_t, float*, int64_t);
+using TaskFn = void (*)(const float*, const DenseSeg*, int64_t, const DenseSeg*, int64_t, float*, float*, float*);
 
 struct DenseFns {
-  ScoresFn scores = nullptr;
+  ScoresFn scores = nullptr;       // two passes (AVX2): scores, then `softmax_rows`, then values
   ValuesFn values = nullptr;
+  TaskFn task = nullptr;           // one pass (AVX-512)
 };
+
+// Query rows of a one-pass chunk: its accumulators (H * D / 16 vectors) in 16 of the 32 registers
+int64_t task_chunk(int64_t D) {
+#if defined(KVPLAN_AVX512)
+  if (D == 64 || D == 128) return 256 / D;
+#endif
+  return 0;
+}
 
 DenseFns pick_dense(int64_t H, int64_t D) {
   DenseFns f;
-#if defined(__AVX512F__)
+#if defined(KVPLAN_AVX512)
 #define KVPLAN_CASE16(h, dv) \
-  if (H == h && D == 16 * dv) { f.scores = dense_scores16<h, dv>; f.values = dense_values16<h, dv>; return f; }
-  KVPLAN_CASE16(1, 4) KVPLAN_CASE16(1, 8) KVPLAN_CASE16(2, 4) KVPLAN_CASE16(2, 8) KVPLAN_CASE16(3, 4)
-  KVPLAN_CASE16(3, 8) KVPLAN_CASE16(4, 4) KVPLAN_CASE16(4, 8) KVPLAN_CASE16(5, 4) KVPLAN_CASE16(6, 4)
-  KVPLAN_CASE16(7, 4) KVPLAN_CASE16(8, 4)
+  if (H == h && D == 16 * dv) { f.task = dense_task16<h, dv>; return f; }
+  KVPLAN_CASE16(1, 4) KVPLAN_CASE16(2, 4) KVPLAN_CASE16(3, 4) KVPLAN_CASE16(4, 4) KVPLAN_CASE16(1, 8)
+  KVPLAN_CASE16(2, 8)
 #undef KVPLAN_CASE16
 #endif
 #ifdef KVPLAN_AVX2
@@ -699,10 +923,12 @@ std::vector<torch::Tensor> dequantized_forms(torch::Tensor x, std::vector<int64_
 //          E_v[ref_v]; ref_k < 0: no row; query row j sees it when bit j % group_heads of heads is set
 //   dense  rows [start, end) of fp16 pages of R rows (K rows, then V rows)
 // Split-K tasks per stream: runs of whole quant pages, runs of whole coded pages, runs of whole
-// dense pages, each at most `task_rows` rows (one page at least); a stream's tasks combine in that
+// dense pages, each at most `task_rows` rows (one page at least; the size fixed by the call's
+// task_rows, never by the thread count or the other streams); a stream's tasks combine in that
 // fixed order, so its result is its own whatever else the call holds or the thread count.
-// Query rows go through the AVX2 kernels in chunks (4 for quant pages, 8 for dense), so any h runs
-// the vector paths; coded rows take plain vector loads (a row of entries, RoPE from the tables).
+// Query rows go through the AVX2 kernels in chunks (4 for quant pages, 8 for dense; the AVX-512
+// one-pass dense kernel 256 / D, its accumulators in 16 registers), so any h runs the vector
+// paths; coded rows take plain vector loads (a row of entries, RoPE from the tables).
 namespace {
 
 constexpr int QUANT_CHUNK = 4, DENSE_CHUNK = 8;
@@ -756,23 +982,32 @@ inline float load_half(const uint8_t* p) {
   return half1(x);
 }
 
-// scores of n dense rows k (rows D apart) for h query rows, DENSE_CHUNK rows at a time
-void dense_scores_rows(const DenseFns* df, const float* q, const uint16_t* k, int64_t n, int64_t h, int64_t D,
+// scores of a task's dense rows (segments seg [nseg]) for h query rows, DENSE_CHUNK rows at a time
+void dense_scores_rows(const DenseFns* df, const float* q, const DenseSeg* seg, int64_t nseg, int64_t h, int64_t D,
                        float* s, int64_t stride) {
   for (int64_t j0 = 0; j0 < h; j0 += DENSE_CHUNK) {
     const int64_t c = std::min<int64_t>(DENSE_CHUNK, h - j0);
-    if (df[c].scores) df[c].scores(q + j0 * D, k, D, n, s + j0 * stride, stride);
-    else dense_scores_any(q + j0 * D, k, D, n, c, D, s + j0 * stride, stride);
+    if (df[c].scores) {
+      df[c].scores(q + j0 * D, seg, nseg, s + j0 * stride, stride);
+      continue;
+    }
+    for (int64_t i = 0, t0 = 0; i < nseg; t0 += seg[i].n, ++i)
+      dense_scores_any(q + j0 * D, seg[i].k, seg[i].n, c, D, s + j0 * stride + t0, stride);
   }
 }
 
-// a [h, D] = p [h, n] . n dense rows v (rows D apart)
-void dense_values_rows(const DenseFns* df, const float* p, const uint16_t* v, int64_t n, int64_t h, int64_t D,
+// a [h, D] = p [h, n] . the task's dense rows v (segments seg [nseg])
+void dense_values_rows(const DenseFns* df, const float* p, const DenseSeg* seg, int64_t nseg, int64_t h, int64_t D,
                        float* a, int64_t stride) {
   for (int64_t j0 = 0; j0 < h; j0 += DENSE_CHUNK) {
     const int64_t c = std::min<int64_t>(DENSE_CHUNK, h - j0);
-    if (df[c].values) df[c].values(p + j0 * stride, v, D, n, a + j0 * D, stride);
-    else dense_values_any(p + j0 * stride, v, D, n, c, D, a + j0 * D, stride);
+    if (df[c].values) {
+      df[c].values(p + j0 * stride, seg, nseg, a + j0 * D, stride);
+      continue;
+    }
+    std::fill(a + j0 * D, a + (j0 + c) * D, 0.f);
+    for (int64_t i = 0, t0 = 0; i < nseg; t0 += seg[i].n, ++i)
+      dense_values_any(p + j0 * stride + t0, seg[i].v, seg[i].n, c, D, a + j0 * D, stride);
   }
 }
 
@@ -990,11 +1225,36 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode_mixed(
   DenseFns df[DENSE_CHUNK + 1];
   for (int c = 1; c <= DENSE_CHUNK; ++c) df[c] = pick_dense(c, D);
 
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // a task's dense pages as segments (out [db]) -> how many (0: not a dense task, or none)
+  auto dense_segs = [&](int64_t task, DenseSeg* out) -> int64_t {
+    if (task >= tasks) return 0;
+    const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+    const int64_t b = task - first[i] - qtasks[i] - ctasks[i];
+    if (b < 0) return 0;
+    const int64_t b0 = ds[i] / R + b * db;                 // whole dense pages [b0, b1), rows from ds on
+    const int64_t b1 = std::min<int64_t>((de[i] + R - 1) / R, b0 + db);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
+      const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
+      const uint16_t* pg = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes);
+      out[blk - b0] = {pg + lo * D, pg + (R + lo) * D, rows};
+    }
+    return b1 - b0;
+  };
+  const int64_t fc = task_chunk(D);
+
+  // Each thread takes the next task until none is left, claiming one ahead (`following`) so a
+  // dense task's last pages can ask for the next one's first. A task's result is its own slot's,
+  // so which thread runs it changes nothing; a thread the host holds back leaves the rest to the
+  // other, where fixed shares of the tasks had the other wait for it.
+  std::atomic<int64_t> next{0};
+  const int64_t teams = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  at::parallel_for(0, teams, 1, [&](int64_t, int64_t) {
     std::vector<float> s(h * width), tmp(h * D), kr(D), vr(D), rot(D);
-    int64_t i = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[i + 1]) ++i;
+    std::vector<DenseSeg> segs(db), after(db);
+    for (int64_t task = next.fetch_add(1), following = 0; task < tasks; task = following) {
+      following = next.fetch_add(1);
+      const int64_t i = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       int64_t b = task - first[i];
       const float* qi = qp + i * h * D;
       Partial part{mx.data() + task * h, sm.data() + task * h, acc.data() + task * h * D};
@@ -1068,29 +1328,20 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode_mixed(
         }
         continue;
       }
-      b -= ctasks[i];
-      const int64_t b0 = ds[i] / R + b * db;                 // whole dense pages [b0, b1), rows from ds on
-      const int64_t b1 = std::min<int64_t>((de[i] + R - 1) / R, b0 + db);
+      const int64_t nseg = dense_segs(task, segs.data());   // whole dense pages
+      if (fc) {                                              // one pass, fc query rows at a time
+        const int64_t nafter = dense_segs(following, after.data());
+        for (int64_t j0 = 0; j0 < h; j0 += fc) {
+          const int64_t c = std::min<int64_t>(fc, h - j0);
+          df[c].task(qi + j0 * D, segs.data(), nseg, after.data(), nafter, part.m + j0, part.z + j0, a + j0 * D);
+        }
+        continue;
+      }
       int64_t n = 0;
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
-        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
-        const uint16_t* k = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) + lo * D;
-        dense_scores_rows(df, qi, k, rows, h, D, s.data() + n, width);
-        n += rows;
-      }
+      for (int64_t j = 0; j < nseg; ++j) n += segs[j].n;
+      dense_scores_rows(df, qi, segs.data(), nseg, h, D, s.data(), width);
       softmax_rows(s.data(), h, n, width, part.m, part.z);
-      std::fill(a, a + h * D, 0.f);
-      n = 0;
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t lo = std::max<int64_t>(ds[i], blk * R) - blk * R;
-        const int64_t rows = std::min<int64_t>(de[i], (blk + 1) * R) - blk * R - lo;
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(base + (int64_t)dt[i * dts + blk] * page_bytes) +
-                            (R + lo) * D;
-        dense_values_rows(df, s.data() + n, v, rows, h, D, tmp.data(), width);
-        for (int64_t e = 0; e < h * D; ++e) a[e] += tmp[e];
-        n += rows;
-      }
+      dense_values_rows(df, s.data(), segs.data(), nseg, h, D, a, width);
     }
   });
   combine_lse(first, h, D, mx, sm, acc, out.data_ptr<float>(), lse.data_ptr<float>());
@@ -1109,6 +1360,11 @@ bool prefill_tiles(int64_t mode);                                               
 torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> bits,
                               std::vector<int64_t> rows, std::vector<int64_t> vgroups, int64_t wq,
                               double scaling);                                             // cpu_quant_attention.cpp
+std::tuple<torch::Tensor, torch::Tensor> window_stats(torch::Tensor q, torch::Tensor k, int64_t w, int64_t e,
+                                                      double scaling);                     // cpu_statistics.cpp
+std::tuple<torch::Tensor, torch::Tensor> segment_sums(torch::Tensor p, torch::Tensor v, torch::Tensor seg, int64_t S);
+torch::Tensor mean_angle(torch::Tensor a, torch::Tensor b);
+bool stats_kernels();
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor y, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
@@ -1127,6 +1383,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "causal prefill attention of packed segments over the pool's pages");
   m.def("prefill_tiles", &prefill_tiles, "bf16 prefill on AMX tiles: -1 where the CPU has them, 0 never -> taken?");
   m.def("quant_attention", &quant_attention, "last queries' attention over K/V quantized on the fly, per width");
+  m.def("window_stats", &window_stats, "the window's attention summed per query head, and the loss rows'");
+  m.def("segment_sums", &segment_sums, "the loss queries' p·v and p summed over disjoint sets of rows");
+  m.def("mean_angle", &mean_angle, "mean arccos(cos)/pi between the same rows of two tensors");
+  m.def("stats_kernels", &stats_kernels, "whether window_stats, segment_sums and mean_angle are built here");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
   m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (GIL released)",

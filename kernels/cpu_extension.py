@@ -20,7 +20,8 @@ from pathlib import Path
 log = logging.getLogger("kvplan.kernels")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode.cpp", "cpu_decoder_ops.cpp", "cpu_prefill.cpp",
-                                                   "cpu_quant_attention.cpp", "cpu_decode_step.cpp")]
+                                                   "cpu_quant_attention.cpp", "cpu_decode_step.cpp",
+                                                   "cpu_statistics.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_vec.h", "cpu_flash.h")]
 _LOCK = threading.Lock()
 _MODULE: list = []          # [module] once built, [None] once it could not be

@@ -73,9 +73,24 @@ inline void quant_v_scalar(const float* x, int64_t D, int64_t g, float levels, f
 }
 
 #ifdef KVPLAN_AVX512
-inline __m512 requant16(__m512 x, __m512 s, __m512 z, __m512 levels) {
-  const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), s);
-  __m512 c = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(_mm512_sub_ps(x, z), safe), _mm512_set1_ps(0.5f)),
+// requant of 16 lanes: (x - z) times 1/s first, and the exact quotient only where that lands within
+// 2e-4 of a rounding boundary (the product is within a few ulp of the quotient, < 1e-4 at 255
+// levels), so every code is the division's at a fraction of its cost (a division per element was
+// a quarter of the kernel)
+inline __m512 safe16(__m512 s) {            // scale 0 (all values alike): divide by 1
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), s);
+}
+
+// x's code at scale s (safe: safe16(s), inv: 1 / safe) and zero z, back to a value
+inline __m512 requant16(__m512 x, __m512 s, __m512 safe, __m512 inv, __m512 z, __m512 levels) {
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const __m512 y = _mm512_fmadd_ps(_mm512_sub_ps(x, z), inv, half);
+  __m512 c = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 frac = _mm512_sub_ps(y, c);
+  const __mmask16 near = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(2e-4f), _CMP_LT_OQ) |
+                         _mm512_cmp_ps_mask(frac, _mm512_set1_ps(1.f - 2e-4f), _CMP_GT_OQ);
+  if (near)
+    c = _mm512_mask_roundscale_ps(c, near, _mm512_add_ps(_mm512_div_ps(_mm512_sub_ps(x, z), safe), half),
                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   c = _mm512_min_ps(_mm512_max_ps(c, _mm512_setzero_ps()), levels);
   return _mm512_add_ps(z, _mm512_mul_ps(c, s));
@@ -109,8 +124,10 @@ inline void quant_k_group(const float* k, int64_t n, int64_t D, float levels, fl
       mx = _mm512_max_ps(mx, v);
     }
     const __m512 sc = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), zc = fp16_round16(mn);
+    const __m512 safe = safe16(sc), inv = _mm512_div_ps(_mm512_set1_ps(1.f), safe);
     for (int64_t r = 0; r < n; ++r)
-      _mm512_mask_storeu_ps(kq + r * D + c0, cm, requant16(_mm512_maskz_loadu_ps(cm, k + r * D + c0), sc, zc, lv));
+      _mm512_mask_storeu_ps(kq + r * D + c0, cm,
+                            requant16(_mm512_maskz_loadu_ps(cm, k + r * D + c0), sc, safe, inv, zc, lv));
   }
 }
 
@@ -127,9 +144,67 @@ inline void quant_v_row(const float* x, int64_t D, int64_t g, float levels, floa
     }
     group_minmax(mn, mx, std::min<int64_t>(g, 16));
     const __m512 sc = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), zc = fp16_round16(mn);
+    const __m512 safe = safe16(sc), inv = _mm512_div_ps(_mm512_set1_ps(1.f), safe);
     for (int64_t j = 0; j < nv; ++j)
-      _mm512_storeu_ps(out + c0 + 16 * j, requant16(_mm512_loadu_ps(x + c0 + 16 * j), sc, zc, lv));
+      _mm512_storeu_ps(out + c0 + 16 * j, requant16(_mm512_loadu_ps(x + c0 + 16 * j), sc, safe, inv, zc, lv));
   }
+}
+
+// 16 rows of 16 floats in registers -> their transpose, in place (unpack 32-bit and 64-bit pairs,
+// then 128-bit lanes twice)
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// rows [nk, D] (row stride D, D a multiple of 16, nk <= KB) -> kt [D, KB], zero past nk
+inline void transpose_block(const float* rows, int64_t nk, int64_t D, float* kt) {
+  for (int64_t r0 = 0; r0 < KB; r0 += 16)
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      __m512 t[16];
+      for (int i = 0; i < 16; ++i) t[i] = r0 + i < nk ? _mm512_loadu_ps(rows + (r0 + i) * D + c0) : _mm512_setzero_ps();
+      transpose16(t);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (c0 + c) * KB + r0, t[c]);
+    }
+}
+
+// acc rows [ROWS, 64] = acc * alpha + p · vb over nk rows (p [ROWS, KB]; vb [nk, 64]): flash::accumulate
+// for a head dim of 64, its 4 vectors a row fixed
+template <int ROWS>
+inline void accumulate64(float* acc, const float* p, const float* alpha, const float* vb, int64_t nk) {
+  __m512 a[ROWS][4];
+  for (int x = 0; x < ROWS; ++x)
+    for (int v = 0; v < 4; ++v) a[x][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + x * 64 + 16 * v), _mm512_set1_ps(alpha[x]));
+  for (int64_t r = 0; r < nk; ++r) {
+    __m512 vr[4];
+    for (int v = 0; v < 4; ++v) vr[v] = _mm512_loadu_ps(vb + r * 64 + 16 * v);
+    for (int x = 0; x < ROWS; ++x) {
+      const __m512 pr = _mm512_set1_ps(p[x * KB + r]);
+      for (int v = 0; v < 4; ++v) a[x][v] = _mm512_fmadd_ps(pr, vr[v], a[x][v]);
+    }
+  }
+  for (int x = 0; x < ROWS; ++x)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(acc + x * 64 + 16 * v, a[x][v]);
 }
 
 // a group's K rows [n, D] and V rows [n, D] (value groups of g channels) -> kq, vq [n, D]
@@ -199,6 +274,34 @@ struct Scratch {
       : kq(rows * D), vq(rows * D), kt(D * KB), vb(KB * Dp), q(Qn * Dp), p(Qn * KB), acc(Qn * Dp), m(Qn), l(Qn) {}
 };
 
+#ifdef KVPLAN_AVX512
+// one block of nk <= KB keys (kt [D, KB] in sc, vb [nk, 64] in place) for every query row, D = 64: the
+// same scores, softmax and accumulation as the general path, 4 rows at a time
+inline void block64(Scratch& sc, int64_t Qn, int64_t T, int64_t wq, int64_t nk, int64_t k0, const float* vb,
+                    float* alpha) {
+  int64_t i = 0;
+  for (; i + 4 <= Qn; i += 4) flash::scores<4>(sc.q.data() + i * 64, 64, sc.kt.data(), 64, sc.p.data() + i * KB);
+  for (; i < Qn; ++i) flash::scores<1>(sc.q.data() + i * 64, 64, sc.kt.data(), 64, sc.p.data() + i * KB);
+  for (i = 0; i < Qn; i += 4) {
+    const int64_t cnt = std::min<int64_t>(4, Qn - i);
+    int64_t upto = 0;
+    for (int64_t x = 0; x < cnt; ++x) {
+      const int64_t pos = T - wq + (i + x) % wq;
+      const int64_t seen = std::min(nk, pos - k0 + 1);
+      alpha[x] = flash::softmax_block(sc.p.data() + (i + x) * KB, seen, sc.m[i + x], sc.l[i + x]);
+      upto = std::max(upto, seen);
+    }
+    if (upto <= 0) continue;
+    float* acc = sc.acc.data() + i * 64;
+    const float* p = sc.p.data() + i * KB;
+    if (cnt == 4) accumulate64<4>(acc, p, alpha, vb, upto);
+    else if (cnt == 3) accumulate64<3>(acc, p, alpha, vb, upto);
+    else if (cnt == 2) accumulate64<2>(acc, p, alpha, vb, upto);
+    else accumulate64<1>(acc, p, alpha, vb, upto);
+  }
+}
+#endif
+
 // one (KV head, width) task: q [Qn, D], k, v [T, D] -> out [Qn, D]
 void run_task(const float* q, const float* k, const float* v, float* out, int64_t Qn, int64_t T, int64_t D, int64_t wq,
               int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
@@ -212,7 +315,7 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
   std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
   std::fill(sc.m.begin(), sc.m.end(), -INFINITY);
   std::fill(sc.l.begin(), sc.l.end(), 0.f);
-  float alpha[2];
+  float alpha[4];
   for (int64_t r0 = 0; r0 < T;) {
     const bool quantized = r0 < qt;
     const int64_t n = quantized ? std::min(span, qt - r0) : T - r0;     // whole groups, or the exact tail
@@ -230,6 +333,13 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
     }
     for (int64_t c0 = 0; c0 < n; c0 += KB) {                    // blocks of KB rows through the flash core
       const int64_t nk = std::min(KB, n - c0), k0 = r0 + c0;
+#ifdef KVPLAN_AVX512
+      if (D == 64) {                                            // the model's head dim: registers' transposes, V read in place
+        transpose_block(kr + c0 * D, nk, D, sc.kt.data());
+        block64(sc, Qn, T, wq, nk, k0, vr + c0 * D, alpha);
+        continue;
+      }
+#endif
       if (nk < KB) std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
       for (int64_t r = 0; r < nk; ++r)                          // the block's K rows transposed -> kt [D, KB]
         for (int64_t d = 0; d < D; ++d) sc.kt[d * KB + r] = kr[(c0 + r) * D + d];

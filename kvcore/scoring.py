@@ -73,10 +73,9 @@ def spread(scores: torch.Tensor, span: int) -> torch.Tensor:
     its first tokens, the ones a copy reads first, and runs of different peaks keep their order."""
     if span <= 0 or scores.shape[-1] == 0:
         return scores
-    padded = F.pad(scores[:, None], (span, 0), value=float("-inf"))                   # [H, 1, span + T]
-    peak, at = F.max_pool1d(padded, span + 1, stride=1, return_indices=True)         # [H, 1, T] each
-    peak, at = peak[:, 0], at[:, 0]
-    behind = torch.arange(scores.shape[-1], device=scores.device) + span - at         # [H, T] in 0..span
+    padded = F.pad(scores, (span, 0), value=float("-inf"))                             # [H, span + T]
+    peak, at = padded.unfold(-1, span + 1, 1).max(-1)                                  # [H, T] each; at: the first
+    behind = span - at                                                                 # peak's place, 0..span; [H, T]
     return torch.where(peak.isfinite(), peak - behind * SPAN_TIE_BREAK * peak.abs(), peak)
 
 

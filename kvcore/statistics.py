@@ -18,12 +18,13 @@ of its own; the executor's prefill computes the same from its cache at the conte
   share retains.
 
 Cost (it runs inside the executor's prefill, at the context's last chunk): the window's attention
-is computed once, grouped by KV head (no repeated K), and the loss queries' probabilities are its
-last rows; each bit width's quantized K and V are made group by group inside one attention pass
-(`kernels.quant_attention`: C++ on the CPU), never stored."""
+is computed once, grouped by KV head (no repeated K), summed per head and its last rows (the loss
+queries' probabilities) kept, in one call (`kernels.window_stats`: C++ on the CPU); the kept sets'
+outputs are sums over disjoint sets of rows made in one pass; each bit width's quantized K and V
+are made group by group inside one attention pass (`kernels.quant_attention`), never stored; the
+angles come from the post-RoPE keys (no unrotated copy) where no shares are asked for."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,39 +92,10 @@ def _similar_share(x: torch.Tensor, theta: float, sample: int, gen: torch.Genera
 
 
 def angle(a: torch.Tensor, b: torch.Tensor) -> float:
-    """a, b [H_kv, T, D]: the same tokens in two layers -> mean arccos(cos)/π over rows."""
-    return float(_angle(a, b))
-
-
-def _angle(a: torch.Tensor, b: torch.Tensor, a_norm: torch.Tensor | None = None,
-           b_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """`angle` as a 0-d tensor on their device (the cosine from one product and two norms:
-    F.cosine_similarity took 4× as long). a_norm, b_norm [H_kv, T]: their rows' norms where
-    known (`_norms`; a layer's rows meet the layer before and the layer after)."""
-    a_norm = _norms(a) if a_norm is None else a_norm
-    b_norm = _norms(b) if b_norm is None else b_norm
-    dots = torch.linalg.vecdot(a.float(), b.float())                                          # [H_kv, T]
-    cos = (dots / (a_norm * b_norm).clamp_min(1e-8)).clamp_(-1.0, 1.0)
-    return torch.arccos(cos).mean() / math.pi
-
-
-def _norms(x: torch.Tensor) -> torch.Tensor:
-    """x [H_kv, T, D] -> its rows' norms [H_kv, T] fp32."""
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
-
-
-def window_probs(q_win: torch.Tensor, k_t: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q_win [H, W, D] the last W queries (post-RoPE), k_t [H_kv, D, T] fp32 keys transposed -> the
-    window's attention [H_kv, g, W, T] fp32 (g = H / H_kv: query heads h·g .. h·g+g-1 of KV head h),
-    causal inside the window. One matmul per KV head over its g·W queries, K read as it is (no
-    repeated copy per query head): `scoring.window_scores` is its sum over W, and the loss queries'
-    probabilities (`layer_losses`) are its last rows."""
-    h, w, d = q_win.shape
-    hk, _, t = k_t.shape
-    logits = torch.matmul(q_win.float().reshape(hk, (h // hk) * w, d), k_t).mul_(scaling).view(hk, h // hk, w, t)
-    ahead = torch.ones(w, w, dtype=torch.bool, device=k_t.device).triu_(1)                 # [W, W] keys after the query
-    logits[..., t - w:].masked_fill_(ahead, float("-inf"))                               # only the window's own keys
-    return torch.softmax(logits, dim=-1)
+    """a, b [H_kv, T, D]: the same tokens in two layers -> mean arccos(cos)/π over rows
+    (`kernels.window_stats.mean_angle`)."""
+    from kernels.window_stats import mean_angle
+    return float(mean_angle(a, b))
 
 
 def _grouped_probs(q: torch.Tensor, k_t: torch.Tensor, causal: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -137,29 +109,6 @@ def _grouped_probs(q: torch.Tensor, k_t: torch.Tensor, causal: torch.Tensor, sca
     return torch.softmax(logits, dim=-1)
 
 
-def _nested_outputs(p: torch.Tensor, v: torch.Tensor, base: torch.Tensor, order: torch.Tensor,
-                    counts: list[int]) -> list[torch.Tensor]:
-    """Attention over nested kept sets at once: p [H_kv, Q, T] attention probabilities, v
-    [H_kv, T, D], base [B] the tokens every set keeps, order [H_kv, n] the other tokens best
-    first, counts how many of them each set keeps -> per count [H_kv, Q, D], attention over base
-    plus the first `count` of `order` (= softmax over just those logits). The ranked tokens are
-    summed once, in the segments between successive counts, and the sets are prefix sums of the
-    segments: one pass over the context for every set instead of one each."""
-    hk, q, _ = p.shape
-    num, den = torch.bmm(p[:, :, base], v[:, base]), p[:, :, base].sum(-1, keepdim=True)    # [H_kv, Q, D], [H_kv, Q, 1]
-    heads = torch.arange(hk, device=p.device)[:, None]
-    p_r = p.transpose(1, 2).contiguous()[heads, order].transpose(1, 2)                       # [H_kv, Q, n] (rows, not
-    v_r = v[heads, order]                                                                     # [H_kv, n, D]  gathers)
-    at, sums = 0, {0: (num, den)}
-    for c in sorted(set(counts)):
-        if c > at:
-            num = num + torch.bmm(p_r[:, :, at:c], v_r[:, at:c])
-            den = den + p_r[:, :, at:c].sum(-1, keepdim=True)
-            at = c
-        sums[c] = (num, den)
-    return [sums[c][0] / sums[c][1].clamp_min(1e-30) for c in counts]
-
-
 def _rel(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return (out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30)                   # 0-d
 
@@ -170,30 +119,44 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     """One layer: q_win [H, Wq, D] the last queries, k [H_kv, T, D] post-RoPE, v [H_kv, T, D],
     window_mass [H, T] the window's attention -> (evict [F], retained [F], quant [B]) fp32 on k's
     device: nothing read back to the host, so a CUDA prefill's layers do not wait on it.
-    probs: q_win's attention [H_kv, g·Wq, T] when the caller has it (`window_probs`' last rows)."""
-    wq = q_win.shape[1]
+    probs: q_win's attention [H_kv, g·Wq, T] fp32 when the caller has it (`window_stats`' last rows).
+
+    The kept sets are nested (sinks and window, then the context's rows best first): each row
+    belongs to the set of the first share that keeps it, the loss queries' p·v is summed per set
+    in one pass (`kernels.window_stats.segment_sums`), and each share's output is the prefix sum of
+    the sets up to it (= softmax over just the kept logits); all of them is the exact output."""
+    from kernels.quant_attention import groups, quant_attention
+    from kernels.window_stats import segment_sums
+    wq, d = q_win.shape[1], q_win.shape[2]
     hk, t, _ = k.shape
     window = min(window, t)
     sinks = min(SINKS, t - window)
     n_ctx = t - window - sinks
-    cols = torch.arange(t, device=k.device)
-    causal = cols[None, :] <= cols[t - wq:, None]                                            # [Wq, T]
-    p = probs if probs is not None else _grouped_probs(q_win, k.transpose(1, 2), causal, scaling)   # [H_kv, g Wq, T]
-    exact = torch.bmm(p, v)                                                                 # [H_kv, g Wq, D]
+    if probs is None:
+        cols = torch.arange(t, device=k.device)
+        causal = cols[None, :] <= cols[t - wq:, None]                                        # [Wq, T]
+        probs = _grouped_probs(q_win.float(), k.float().transpose(1, 2), causal, scaling)    # [H_kv, g Wq, T]
     mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
     ranked = scoring.spread(scoring.pool(mass, POOL), SPAN)[:, sinks:t - window]            # [H_kv, n_ctx]
-    order = ranked.argsort(dim=-1, descending=True) + sinks                                 # best first
-    base = torch.cat([torch.arange(sinks, device=k.device), torch.arange(t - window, t, device=k.device)])  # kept by all
+    order = ranked.argsort(dim=-1, descending=True)                                         # [H_kv, n_ctx] best first
     counts = [round(f * n_ctx) for f in FRACTIONS]
+    bounds = sorted({c for c in counts if c > 0})                                           # set i + 1: ranks below bounds[i]
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(n_ctx, device=k.device).expand(hk, -1))
+    seg = torch.zeros(hk, t, dtype=torch.int32, device=k.device)                            # set 0: sinks and window
+    seg[:, sinks:t - window] = 1 + sum((rank >= b).int() for b in bounds[:-1])           # (no bounds tensor to copy)
+    num, den = segment_sums(probs, v, seg, 1 + len(bounds))                                 # [H_kv, S, g Wq, D], [.., g Wq]
+    num, den = num.cumsum(1), den.cumsum(1)
+    exact = num[:, -1]                                                                      # every row: p·v
+    at = {0: 0} | {c: 1 + i for i, c in enumerate(bounds)}
     zero = exact.new_zeros(())
-    evict = [zero if c == n_ctx else _rel(out, exact)                                       # all kept: exact
-             for c, out in zip(counts, _nested_outputs(p, v, base, order, counts))]
-    held = torch.cat([mass[:, base].sum(-1, keepdim=True), mass.gather(1, order)], dim=1).cumsum(-1)  # [H_kv, 1 + n_ctx]
+    evict = [zero if c == n_ctx else _rel(num[:, at[c]] / den[:, at[c], :, None].clamp_min(1e-30), exact)
+             for c in counts]                                                               # all kept: exact
+    held = torch.cat([mass[:, :sinks].sum(-1, keepdim=True) + mass[:, t - window:].sum(-1, keepdim=True),
+                      mass[:, sinks:t - window].gather(1, order)], dim=1).cumsum(-1)         # [H_kv, 1 + n_ctx]
     retained = torch.stack([held[:, c] for c in counts], 1).mean(0)                         # [F] (no index tensor to copy)
-    from kernels.quant_attention import groups, quant_attention
-    widths = [b for b in BITS if b != 16 and t >= groups(b, k.shape[2])[0]]     # shorter than a group: all dense
-    outs = quant_attention(q_win.reshape(hk, -1, q_win.shape[2]), k, v, widths, wq, scaling) if widths else None
+    widths = [b for b in BITS if b != 16 and t >= groups(b, d)[0]]              # shorter than a group: all dense
+    outs = quant_attention(q_win.float().reshape(hk, -1, d), k.float(), v.float(), widths, wq, scaling) if widths else None
     quant = [_rel(outs[widths.index(b)], exact) if b in widths else zero for b in BITS]      # [B, H_kv, g Wq, D]
     return torch.stack(evict), retained, torch.stack(quant)
 
@@ -222,34 +185,39 @@ class LayerStatistics:
     tokens: int = 0
     spent_s: float = 0.0         # wall time its gatherer spent on the layers (`ProbeStats.seconds` by default)
 
-    def add(self, q_last: torch.Tensor, k_rot: torch.Tensor, k_pre: torch.Tensor, v: torch.Tensor, scaling: float) -> None:
+    def add(self, q_last: torch.Tensor, k_rot: torch.Tensor, k_pre: torch.Tensor | None, v: torch.Tensor,
+            scaling: float) -> None:
         """q_last: [H, W', D] the layer's last queries (post-RoPE; W' >= min(window, T) and
-        ERROR_QUERIES); k_rot, k_pre: [H_kv, T, D] its keys post- and pre-RoPE; v [H_kv, T, D]."""
+        ERROR_QUERIES); k_rot, k_pre: [H_kv, T, D] its keys post- and pre-RoPE; v [H_kv, T, D].
+        k_pre may be None without the shares: the angles and norms are the same from post-RoPE
+        keys (RoPE turns a token's key by the same rotation in every layer)."""
+        from kernels.window_stats import mean_angle, window_stats
         if self._gen is None:
             self._gen = torch.Generator().manual_seed(self.seed)
-        hk, t, _ = k_rot.shape
+        hk, t, d = k_rot.shape
         h = q_last.shape[0]
         w = min(self.window, t)
+        e = min(ERROR_QUERIES, w) if self.losses else 0                                  # the window's last rows
         self.tokens = t
-        k32 = k_rot.float()
-        probs = window_probs(q_last[:, -w:], k32.transpose(1, 2), scaling)                # [H_kv, g, w, T]
-        s = probs.sum(2).view(h, t)                                                      # [H, T] (scoring.window_scores)
+        q_win = q_last[:, -w:].to(k_rot.dtype).reshape(hk, (h // hk) * w, d)
+        s, last = window_stats(q_win, k_rot, w, e, scaling)                              # [H_kv, g, T], [H_kv, g e, T]
+        s = s.view(h, t)                                                                 # [H, T] (scoring.window_scores)
         if self.losses:
-            e = min(ERROR_QUERIES, t)                                                    # <= w: the window's last rows
-            self._lost.append(layer_losses(q_last[:, -e:].float(), k32, v.float(), s, scaling, w,
-                                           probs=probs[:, :, -e:].reshape(hk, (h // hk) * e, t)))
+            self._lost.append(layer_losses(q_last[:, -e:], k_rot, v, s, scaling, w, probs=last))
         if self.gqa_mode == "mean":
             s = s.view(hk, h // hk, t).mean(1)
         self._scores.append(pooled(s, self.pool_kernel))
         if self.shares:
+            if k_pre is None:
+                raise ValueError("LayerStatistics.add: the shares need the pre-RoPE keys (k_pre)")
             self._k_sim.append(_similar_share(k_pre, K_SIMILAR, self.sample, self._gen))
             self._v_sim.append(_similar_share(v, V_SIMILAR, self.sample, self._gen))
-        norms = (_norms(k_pre), _norms(v))
+        k_pre = k_rot if k_pre is None else k_pre
         if self._prev is not None:
-            (k_prev, v_prev), (nk_prev, nv_prev) = self._prev
-            self._k_ang.append(_angle(k_prev, k_pre, nk_prev, norms[0]))
-            self._v_ang.append(_angle(v_prev, v, nv_prev, norms[1]))
-        self._prev = ((k_pre, v), norms)
+            k_prev, v_prev = self._prev
+            self._k_ang.append(mean_angle(k_prev, k_pre))
+            self._v_ang.append(mean_angle(v_prev, v))
+        self._prev = (k_pre, v)
 
     def result(self, seconds: float | None = None) -> "ProbeStats":
         """seconds: the wall time to report (default: `spent_s`, what gathering the layers took)."""

@@ -19,7 +19,7 @@ def gather(stats, queries: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     `stats`, its last queries appended to `queries` (`compress` uses them once the plan comes)."""
     t0 = time.perf_counter()
     keep = stats.keep_queries
-    k_pre = unrotate_rope(k.float(), torch.arange(k.shape[1], device=k.device), *rope)
+    k_pre = unrotate_rope(k.float(), torch.arange(k.shape[1], device=k.device), *rope) if stats.shares else None
     stats.add(q[:, -keep:], k, k_pre, v, scaling)
     queries.append(q[:, -keep:].clone())
     stats.spent_s += time.perf_counter() - t0

@@ -78,17 +78,18 @@ def test_the_losses_are_the_attention_error_of_each_storage_form():
 
 
 def test_the_window_probabilities_are_the_window_scores_and_the_loss_queries_rows():
+    from kernels.window_stats import window_stats
     gen = torch.Generator().manual_seed(3)
     for t, w in ((300, 32), (20, 20)):
         q, k = torch.randn(9, w, 64, generator=gen), torch.randn(3, t, 64, generator=gen)
-        probs = S.window_probs(q, k.transpose(1, 2), 0.125)                       # [H_kv, g, W, T]
-        assert probs.shape == (3, 3, w, t)
-        torch.testing.assert_close(probs.sum(2).reshape(9, t), scoring.window_scores(q, k, 0.125), rtol=1e-5, atol=1e-6)
         e = min(S.ERROR_QUERIES, t)
+        s, last = window_stats(q.reshape(3, 3 * w, 64), k, w, e, 0.125)          # [H_kv, g, T], [H_kv, g e, T]
+        assert s.shape == (3, 3, t) and last.shape == (3, 3 * e, t)
+        torch.testing.assert_close(s.reshape(9, t), scoring.window_scores(q, k, 0.125), rtol=1e-5, atol=1e-6)
         cols = torch.arange(t)
         causal = cols[None, :] <= cols[t - e:, None]
-        torch.testing.assert_close(probs[:, :, -e:].reshape(3, 3 * e, t),
-                                   S._grouped_probs(q[:, -e:], k.transpose(1, 2), causal, 0.125), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(last, S._grouped_probs(q[:, -e:], k.transpose(1, 2), causal, 0.125),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_angle_is_the_mean_arccos_of_the_rows_cosines():

@@ -1,0 +1,98 @@
+"""The passes over a layer's context that its statistics make (`kvcore.statistics.LayerStatistics.add`):
+the observation window's attention summed per query head, with the loss queries' probabilities;
+the loss queries' attention summed over disjoint sets of context rows; the mean angle between
+the same rows of two layers.
+
+    kernel      C++ on the CPU with AVX-512 (`kernels/cpu_statistics.cpp`: `window_stats`,
+                `segment_sums`, `mean_angle`): K transposed once into blocks of 64 keys, a block
+                of query rows against 64 keys in registers; each set's rows listed and summed in
+                registers; norms and dot products of both rows in one pass
+    launcher    `window_stats`, `segment_sums`: check the arguments, the kernel where built for
+                this host, else the reference
+    reference   `window_stats_reference`, `segment_sums_reference`, `mean_angle_reference`: plain torch
+
+Shapes: G KV heads; gq query heads a KV head; w window rows, e <= w loss rows; T context rows; D
+head dim; Q query rows a KV head; S sets."""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_extension
+from kernels.backend import backend
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def window_stats_reference(q: torch.Tensor, k: torch.Tensor, w: int, e: int, scaling: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [G, gq·w, D] the window's queries (query head j of KV head g: rows j·w .. j·w + w - 1, the
+    last at position T - 1), k [G, T, D] -> (s [G, gq, T] the probabilities each head's w rows pay
+    each key, summed; last [G, gq·e, T] the last e rows' probabilities), fp32, causal in the window."""
+    g, r, d = q.shape
+    t = k.shape[1]
+    logits = torch.matmul(q.float(), k.float().transpose(1, 2)).mul_(scaling).view(g, r // w, w, t)
+    ahead = torch.ones(w, w, dtype=torch.bool, device=k.device).triu_(1)                    # [w, w] keys after the query
+    logits[..., t - w:].masked_fill_(ahead, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)                                                   # [G, gq, w, T]
+    return probs.sum(2), probs[:, :, w - e:].reshape(g, (r // w) * e, t)
+
+
+def segment_sums_reference(p: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, sets: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [G, Q, T] fp32, v [G, T, D], seg [G, T] int (each row's set, 0 .. sets - 1; -1: none) ->
+    (num [G, S, Q, D] the sum of p·v over each set's rows, den [G, S, Q] the sum of p), fp32."""
+    onehot = (seg.long()[:, None, :] == torch.arange(sets, device=p.device)[None, :, None]).float()   # [G, S, T]
+    masked = p[:, None] * onehot[:, :, None]                                                # [G, S, Q, T]
+    return torch.matmul(masked, v.float()[:, None]), masked.sum(-1)
+
+
+def _kernels():
+    """The built extension where it has these kernels for this host (AVX-512), else None."""
+    ext = cpu_extension.module()
+    return ext if ext is not None and hasattr(ext, "stats_kernels") and ext.stats_kernels() else None
+
+
+def window_stats(q: torch.Tensor, k: torch.Tensor, w: int, e: int, scaling: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `window_stats_reference`: the C++ kernel for CPU fp32 or bf16 tensors where built."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [G, gq*w, D] and k [G, T, D], got {list(q.shape)}, {list(k.shape)}")
+    if not 1 <= w <= k.shape[1] or q.shape[1] % w or not 0 <= e <= w:
+        raise ValueError(f"w must divide q's {q.shape[1]} rows and be within 1..{k.shape[1]}, e within 0..w; "
+                         f"got w={w}, e={e}")
+    ext = _kernels() if backend(q.device) == "cpp" else None
+    if ext is not None and q.dtype == k.dtype and q.dtype in DTYPES:
+        return tuple(ext.window_stats(q.contiguous(), k.contiguous(), w, e, float(scaling)))
+    return window_stats_reference(q, k, w, e, scaling)
+
+
+def segment_sums(p: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, sets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `segment_sums_reference`: the C++ kernel for CPU tensors (p fp32, v fp32 or bf16, D = 64)
+    where built."""
+    if p.dim() != 3 or v.dim() != 3 or seg.shape != p.shape[::2] or v.shape[:2] != seg.shape:
+        raise ValueError(f"p must be [G, Q, T], v [G, T, D] and seg [G, T], got {list(p.shape)}, {list(v.shape)}, "
+                         f"{list(seg.shape)}")
+    ext = _kernels() if backend(p.device) == "cpp" else None
+    if ext is not None and p.dtype == torch.float32 and v.dtype in DTYPES and v.shape[2] == 64:
+        return tuple(ext.segment_sums(p.contiguous(), v.contiguous(), seg.to(torch.int32).contiguous(), sets))
+    return segment_sums_reference(p, v, seg, sets)
+
+
+def mean_angle_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a, b [..., D] alike -> the mean over rows of arccos(cos(a, b)) / π, 0-d fp32 (the cosine from
+    one product and two norms, their product at least 1e-8)."""
+    a, b = a.float(), b.float()
+    dots = torch.linalg.vecdot(a, b)
+    norms = torch.linalg.vector_norm(a, dim=-1) * torch.linalg.vector_norm(b, dim=-1)
+    return torch.arccos((dots / norms.clamp_min(1e-8)).clamp_(-1.0, 1.0)).mean() / torch.pi
+
+
+def mean_angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """As `mean_angle_reference`: the C++ kernel for CPU fp32 or bf16 tensors alike (D a multiple
+    of 16) where built."""
+    if a.shape != b.shape or a.dim() < 1:
+        raise ValueError(f"a and b must be [..., D] alike, got {list(a.shape)}, {list(b.shape)}")
+    ext = _kernels() if backend(a.device) == "cpp" else None
+    if ext is not None and a.dtype == b.dtype and a.dtype in DTYPES and a.shape[-1] % 16 == 0 and a.numel():
+        return ext.mean_angle(a.contiguous(), b.contiguous())
+    return mean_angle_reference(a, b)
