@@ -274,23 +274,36 @@ struct Scratch {
       : kq(rows * D), vq(rows * D), kt(D * KB), vb(KB * Dp), q(Qn * Dp), p(Qn * KB), acc(Qn * Dp), m(Qn), l(Qn) {}
 };
 
+// one block of nk <= KB keys (kt [D, KB] in sc): every query row's scores (q rows qs apart) -> sc.p
+inline void block_scores(Scratch& sc, int64_t Qn, int64_t qs, int64_t D) {
+  int64_t i = 0;
+  for (; i + 4 <= Qn; i += 4) flash::scores<4>(sc.q.data() + i * qs, qs, sc.kt.data(), D, sc.p.data() + i * KB);
+  for (; i < Qn; ++i) flash::scores<1>(sc.q.data() + i * qs, qs, sc.kt.data(), D, sc.p.data() + i * KB);
+}
+
+// rows i .. i + cnt - 1 of the block at k0 (nk keys): their online softmax, each row's rescale -> alpha;
+// -> the most keys any of them sees (row r sits at position T - wq + r % wq)
+inline int64_t rows_softmax(Scratch& sc, int64_t i, int64_t cnt, int64_t T, int64_t wq, int64_t nk, int64_t k0,
+                            float* alpha) {
+  int64_t upto = 0;
+  for (int64_t x = 0; x < cnt; ++x) {
+    const int64_t pos = T - wq + (i + x) % wq;
+    const int64_t seen = std::min(nk, pos - k0 + 1);
+    alpha[x] = flash::softmax_block(sc.p.data() + (i + x) * KB, seen, sc.m[i + x], sc.l[i + x]);
+    upto = std::max(upto, seen);
+  }
+  return upto;
+}
+
 #ifdef KVPLAN_AVX512
 // one block of nk <= KB keys (kt [D, KB] in sc, vb [nk, 64] in place) for every query row, D = 64: the
 // same scores, softmax and accumulation as the general path, 4 rows at a time
 inline void block64(Scratch& sc, int64_t Qn, int64_t T, int64_t wq, int64_t nk, int64_t k0, const float* vb,
                     float* alpha) {
-  int64_t i = 0;
-  for (; i + 4 <= Qn; i += 4) flash::scores<4>(sc.q.data() + i * 64, 64, sc.kt.data(), 64, sc.p.data() + i * KB);
-  for (; i < Qn; ++i) flash::scores<1>(sc.q.data() + i * 64, 64, sc.kt.data(), 64, sc.p.data() + i * KB);
-  for (i = 0; i < Qn; i += 4) {
+  block_scores(sc, Qn, 64, 64);
+  for (int64_t i = 0; i < Qn; i += 4) {
     const int64_t cnt = std::min<int64_t>(4, Qn - i);
-    int64_t upto = 0;
-    for (int64_t x = 0; x < cnt; ++x) {
-      const int64_t pos = T - wq + (i + x) % wq;
-      const int64_t seen = std::min(nk, pos - k0 + 1);
-      alpha[x] = flash::softmax_block(sc.p.data() + (i + x) * KB, seen, sc.m[i + x], sc.l[i + x]);
-      upto = std::max(upto, seen);
-    }
+    const int64_t upto = rows_softmax(sc, i, cnt, T, wq, nk, k0, alpha);
     if (upto <= 0) continue;
     float* acc = sc.acc.data() + i * 64;
     const float* p = sc.p.data() + i * KB;
@@ -345,18 +358,10 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
         for (int64_t d = 0; d < D; ++d) sc.kt[d * KB + r] = kr[(c0 + r) * D + d];
       std::fill(sc.vb.begin(), sc.vb.end(), 0.f);
       for (int64_t r = 0; r < nk; ++r) std::copy(vr + (c0 + r) * D, vr + (c0 + r + 1) * D, sc.vb.begin() + r * Dp);
-      int64_t i = 0;
-      for (; i + 4 <= Qn; i += 4) flash::scores<4>(sc.q.data() + i * Dp, Dp, sc.kt.data(), D, sc.p.data() + i * KB);
-      for (; i < Qn; ++i) flash::scores<1>(sc.q.data() + i * Dp, Dp, sc.kt.data(), D, sc.p.data() + i * KB);
-      for (i = 0; i < Qn; i += 2) {
+      block_scores(sc, Qn, Dp, D);
+      for (int64_t i = 0; i < Qn; i += 2) {
         const int64_t cnt = std::min<int64_t>(2, Qn - i);
-        int64_t upto = 0;
-        for (int64_t x = 0; x < cnt; ++x) {
-          const int64_t pos = T - wq + (i + x) % wq;
-          const int64_t seen = std::min(nk, pos - k0 + 1);
-          alpha[x] = flash::softmax_block(sc.p.data() + (i + x) * KB, seen, sc.m[i + x], sc.l[i + x]);
-          upto = std::max(upto, seen);
-        }
+        const int64_t upto = rows_softmax(sc, i, cnt, T, wq, nk, k0, alpha);
         if (upto <= 0) continue;
         if (cnt == 2) flash::accumulate<2>(sc.acc.data() + i * Dp, Dp, sc.p.data() + i * KB, alpha, sc.vb.data(), upto);
         else flash::accumulate<1>(sc.acc.data() + i * Dp, Dp, sc.p.data() + i * KB, alpha, sc.vb.data(), upto);
