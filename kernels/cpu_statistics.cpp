@@ -62,22 +62,25 @@ inline void rows_scores(const float* qs, int64_t D, const float* kT, int64_t Tp,
 }
 
 // one row's n valid logits l [Tp] -> probabilities (zero from n on), added to s [T]; written to
-// last [T] too where given
-inline void row_probs(const float* l, int64_t n, int64_t T, float* s, float* last) {
+// last [T] too where given. Each exponential is made once: l holds them after the sum's pass.
+inline void row_probs(float* l, int64_t n, int64_t T, float* s, float* last) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(l + t));
-  const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
-  if (n > t) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, l + t));
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, l + t));
+  }
   const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
-  for (t = 0; t + 16 <= n; t += 16) sum = _mm512_add_ps(sum, kvplan::exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(l + t), mb)));
-  if (n > t)
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, kvplan::exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, l + t), mb))));
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (t = 0; t < n; t += 16) {
+  for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
-    const __m512 p = _mm512_maskz_mov_ps(m, _mm512_mul_ps(kvplan::exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, l + t), mb)), inv));
+    const __m512 ex = _mm512_maskz_mov_ps(m, kvplan::exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, l + t), mb)));
+    _mm512_mask_storeu_ps(l + t, m, ex);
+    sum = _mm512_add_ps(sum, ex);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, l + t), inv);
     _mm512_mask_storeu_ps(s + t, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, s + t), p));
     if (last) _mm512_mask_storeu_ps(last + t, m, p);
   }

@@ -7,8 +7,8 @@ the same rows of two layers.
                 `segment_sums`, `mean_angle`): K transposed once into blocks of 64 keys, a block
                 of query rows against 64 keys in registers; each set's rows listed and summed in
                 registers; norms and dot products of both rows in one pass
-    launcher    `window_stats`, `segment_sums`: check the arguments, the kernel where built for
-                this host, else the reference
+    launcher    `window_stats`, `segment_sums`, `mean_angle`: check the arguments, the kernel
+                where built for this host, else the reference
     reference   `window_stats_reference`, `segment_sums_reference`, `mean_angle_reference`: plain torch
 
 Shapes: G KV heads; gq query heads a KV head; w window rows, e <= w loss rows; T context rows; D
