@@ -1364,6 +1364,9 @@ std::tuple<torch::Tensor, torch::Tensor> window_stats(torch::Tensor q, torch::Te
                                                       double scaling);                     // cpu_statistics.cpp
 std::tuple<torch::Tensor, torch::Tensor> segment_sums(torch::Tensor p, torch::Tensor v, torch::Tensor seg, int64_t S);
 torch::Tensor mean_angle(torch::Tensor a, torch::Tensor b);
+torch::Tensor rank_sets(torch::Tensor ranked, std::vector<int64_t> cuts);
+torch::Tensor copy_span(torch::Tensor scores, int64_t span);
+torch::Tensor nested_errors(torch::Tensor num, torch::Tensor den, std::vector<int64_t> upto);
 bool stats_kernels();
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor y, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
@@ -1386,6 +1389,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("window_stats", &window_stats, "the window's attention summed per query head, and the loss rows'");
   m.def("segment_sums", &segment_sums, "the loss queries' p·v and p summed over disjoint sets of rows");
   m.def("mean_angle", &mean_angle, "mean arccos(cos)/pi between the same rows of two tensors");
+  m.def("nested_errors", &nested_errors, "each kept share's output error against every set's, relative");
+  m.def("copy_span", &copy_span, "each token's peak over itself and the span before it, ties behind it lowered");
+  m.def("rank_sets", &rank_sets, "each row's set from its rank by score, cut at the given ranks");
   m.def("stats_kernels", &stats_kernels, "whether window_stats, segment_sums and mean_angle are built here");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");

@@ -27,7 +27,7 @@ inline void scores(const float* q, int64_t qs, const float* kt, int64_t D, float
     for (int v = 0; v < NV; ++v) s[x][v] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     __m512 k[NV];
-    for (int v = 0; v < NV; ++v) k[v] = _mm512_loadu_ps(kt + d * KB + 16 * v);
+    for (int v = 0; v < NV; ++v) k[v] = in_register(_mm512_loadu_ps(kt + d * KB + 16 * v));
     for (int x = 0; x < ROWS; ++x) {
       const __m512 b = _mm512_set1_ps(q[x * qs + d]);
       for (int v = 0; v < NV; ++v) s[x][v] = _mm512_fmadd_ps(b, k[v], s[x][v]);
@@ -49,10 +49,12 @@ inline void accumulate(float* acc, int64_t Dp, const float* p, const float* alph
         if (v < nc) a[x][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + x * Dp + c + 16 * v), _mm512_set1_ps(alpha[x]));
     for (int64_t r = 0; r < nk; ++r) {
       const float* vr = vb + r * Dp + c;
+      __m512 vv[4];
+      for (int v = 0; v < 4; ++v) vv[v] = v < nc ? in_register(_mm512_loadu_ps(vr + 16 * v)) : _mm512_setzero_ps();
       for (int x = 0; x < ROWS; ++x) {
         const __m512 pr = _mm512_set1_ps(p[x * KB + r]);
         for (int v = 0; v < 4; ++v)
-          if (v < nc) a[x][v] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 16 * v), a[x][v]);
+          if (v < nc) a[x][v] = _mm512_fmadd_ps(pr, vv[v], a[x][v]);
       }
     }
     for (int x = 0; x < ROWS; ++x)

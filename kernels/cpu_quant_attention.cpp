@@ -20,7 +20,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_flash.h"
@@ -33,6 +35,8 @@ using flash::KB;
 constexpr int64_t SPAN = 3 * KB;  // rows quantized at a time (whole groups): 192 = 8, 4, 2 and 1 bits' 24, 48, 96 and
                                   // 192 rows, whole KB-row blocks for the flash core (a group a time left 24-row
                                   // groups in 64-row blocks: 8-bit attention took 2.7x the work)
+
+constexpr int64_t PARTS = 2;      // rows of a (head, width) split in this many tasks
 
 inline int64_t span_rows(int64_t rows) { return rows * ((SPAN + rows - 1) / rows); }   // whole groups, >= SPAN
 
@@ -101,14 +105,22 @@ inline __m512 fp16_round16(__m512 x) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// every lane the min (max) of its group of g lanes (g in 1, 2, 4, 8, 16): a butterfly over lane ^ k
-inline void group_minmax(__m512& mn, __m512& mx, int64_t g) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int k = 1; k < g && k < 16; k *= 2) {
-    const __m512i idx = _mm512_xor_si512(lane, _mm512_set1_epi32(k));
-    mn = _mm512_min_ps(mn, _mm512_permutexvar_ps(idx, mn));
-    mx = _mm512_max_ps(mx, _mm512_permutexvar_ps(idx, mx));
+// every lane the min (max) of its group of g lanes (g in 1, 2, 4, 8, 16): a butterfly over lane ^ k, by
+// in-lane swaps for k = 1, 2 and 128-bit block swaps for k = 4, 8 (no lane-crossing index permutes)
+inline __m512 swap_lanes(__m512 x, int k) {
+  switch (k) {
+    case 1: return _mm512_permute_ps(x, 0xB1);
+    case 2: return _mm512_permute_ps(x, 0x4E);
+    case 4: return _mm512_shuffle_f32x4(x, x, 0xB1);
+    default: return _mm512_shuffle_f32x4(x, x, 0x4E);
   }
+}
+
+// 1 / s to within 2 ulp, s > 0 (the reciprocal estimate and one Newton step: a division's latency was
+// most of a value group's chain)
+inline __m512 recip16(__m512 s) {
+  const __m512 r = _mm512_rcp14_ps(s);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(s, r, _mm512_set1_ps(2.f)));
 }
 
 // K's group of n rows k [n, D]: per channel min/max down the rows (16 channels a vector, no
@@ -124,29 +136,49 @@ inline void quant_k_group(const float* k, int64_t n, int64_t D, float levels, fl
       mx = _mm512_max_ps(mx, v);
     }
     const __m512 sc = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), zc = fp16_round16(mn);
-    const __m512 safe = safe16(sc), inv = _mm512_div_ps(_mm512_set1_ps(1.f), safe);
+    const __m512 safe = safe16(sc), inv = recip16(safe);
     for (int64_t r = 0; r < n; ++r)
       _mm512_mask_storeu_ps(kq + r * D + c0, cm,
                             requant16(_mm512_maskz_loadu_ps(cm, k + r * D + c0), sc, safe, inv, zc, lv));
   }
 }
 
-// one V row [D] in groups of g channels (g dividing 16, or a multiple of 16 dividing D) -> out [D]
-inline void quant_v_row(const float* x, int64_t D, int64_t g, float levels, float* out) {
+// V rows x [n, D] in groups of g channels (g dividing 16, or a multiple of 16 dividing D) -> out [n, D]. A
+// group's chain (min/max, butterfly, scale, requantization) is long and a row holds few groups, so up
+// to 16 groups of several rows go through each stage together (one row at a time was latency-bound).
+inline void quant_v_rows(const float* x, int64_t n, int64_t D, int64_t g, float levels, float* out) {
+  constexpr int MAXU = 16;
+  const int64_t step = std::max<int64_t>(g, 16), nv = step / 16, units = D / step;   // a unit: one group's vectors
   const __m512 lv = _mm512_set1_ps(levels);
-  for (int64_t c0 = 0; c0 < D; c0 += std::max<int64_t>(g, 16)) {
-    const int64_t nv = std::max<int64_t>(g, 16) / 16;             // vectors a group (or a vector's groups) spans
-    __m512 mn = _mm512_set1_ps(INFINITY), mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < nv; ++j) {
-      const __m512 v = _mm512_loadu_ps(x + c0 + 16 * j);
-      mn = _mm512_min_ps(mn, v);
-      mx = _mm512_max_ps(mx, v);
+  __m512 mn[MAXU], mx[MAXU], sc[MAXU], zc[MAXU], safe[MAXU], inv[MAXU];
+  for (int64_t u0 = 0; u0 < n * units; u0 += MAXU) {             // units u0 .. of all rows' (row-major)
+    const int64_t upto = std::min<int64_t>(MAXU, n * units - u0);
+    for (int64_t u = 0; u < upto; ++u) {
+      const float* at = x + ((u0 + u) / units) * D + ((u0 + u) % units) * step;
+      mn[u] = mx[u] = _mm512_loadu_ps(at);
+      for (int64_t j = 1; j < nv; ++j) {
+        const __m512 v = _mm512_loadu_ps(at + 16 * j);
+        mn[u] = _mm512_min_ps(mn[u], v);
+        mx[u] = _mm512_max_ps(mx[u], v);
+      }
     }
-    group_minmax(mn, mx, std::min<int64_t>(g, 16));
-    const __m512 sc = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx, mn), lv)), zc = fp16_round16(mn);
-    const __m512 safe = safe16(sc), inv = _mm512_div_ps(_mm512_set1_ps(1.f), safe);
-    for (int64_t j = 0; j < nv; ++j)
-      _mm512_storeu_ps(out + c0 + 16 * j, requant16(_mm512_loadu_ps(x + c0 + 16 * j), sc, safe, inv, zc, lv));
+    for (int k = 1; k < g && k < 16; k *= 2)
+      for (int64_t u = 0; u < upto; ++u) {
+        mn[u] = _mm512_min_ps(mn[u], swap_lanes(mn[u], k));
+        mx[u] = _mm512_max_ps(mx[u], swap_lanes(mx[u], k));
+      }
+    for (int64_t u = 0; u < upto; ++u) {
+      sc[u] = fp16_round16(_mm512_div_ps(_mm512_sub_ps(mx[u], mn[u]), lv));
+      zc[u] = fp16_round16(mn[u]);
+      safe[u] = safe16(sc[u]);
+      inv[u] = recip16(safe[u]);
+    }
+    for (int64_t u = 0; u < upto; ++u) {
+      const int64_t off = ((u0 + u) / units) * D + ((u0 + u) % units) * step;
+      for (int64_t j = 0; j < nv; ++j)
+        _mm512_storeu_ps(out + off + 16 * j,
+                         requant16(_mm512_loadu_ps(x + off + 16 * j), sc[u], safe[u], inv[u], zc[u], lv));
+    }
   }
 }
 
@@ -197,7 +229,7 @@ inline void accumulate64(float* acc, const float* p, const float* alpha, const f
     for (int v = 0; v < 4; ++v) a[x][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + x * 64 + 16 * v), _mm512_set1_ps(alpha[x]));
   for (int64_t r = 0; r < nk; ++r) {
     __m512 vr[4];
-    for (int v = 0; v < 4; ++v) vr[v] = _mm512_loadu_ps(vb + r * 64 + 16 * v);
+    for (int v = 0; v < 4; ++v) vr[v] = kvplan::in_register(_mm512_loadu_ps(vb + r * 64 + 16 * v));
     for (int x = 0; x < ROWS; ++x) {
       const __m512 pr = _mm512_set1_ps(p[x * KB + r]);
       for (int v = 0; v < 4; ++v) a[x][v] = _mm512_fmadd_ps(pr, vr[v], a[x][v]);
@@ -212,7 +244,7 @@ inline bool quant_group(const float* k, const float* v, int64_t n, int64_t D, in
                         float* vq) {
   if (D % 16 || !(16 % g == 0 || g % 16 == 0)) return false;    // whole vectors only
   quant_k_group(k, n, D, levels, kq);
-  for (int64_t r = 0; r < n; ++r) quant_v_row(v + r * D, D, g, levels, vq + r * D);
+  quant_v_rows(v, n, D, g, levels, vq);
   return true;
 }
 #elif defined(KVPLAN_AVX2)
@@ -269,10 +301,21 @@ inline bool quant_group(const float*, const float*, int64_t, int64_t, int64_t, f
 #endif
 
 struct Scratch {
-  std::vector<float> kq, vq, kt, vb, q, p, acc, m, l;     // kq, vq: a span's copies [rows, D]; kt: a block's K [D, KB]
+  std::vector<float> kq, vq, kf, vf, kt, vb, q, p, acc, m, l;   // kq, vq: a span's quantized copies [rows, D]; kf, vf:
+                                                               // its bf16 rows widened; kt: a block's K [D, KB]
   Scratch(int64_t rows, int64_t Qn, int64_t D, int64_t Dp)
-      : kq(rows * D), vq(rows * D), kt(D * KB), vb(KB * Dp), q(Qn * Dp), p(Qn * KB), acc(Qn * Dp), m(Qn), l(Qn) {}
+      : kq(rows * D), vq(rows * D), kf(rows * D), vf(rows * D), kt(D * KB), vb(KB * Dp), q(Qn * Dp), p(Qn * KB),
+        acc(Qn * Dp), m(Qn), l(Qn) {}
 };
+
+// n bf16 values -> fp32
+inline void widen(const kvplan::bf16* x, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef KVPLAN_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, kvplan::load16(x + i));
+#endif
+  for (; i < n; ++i) out[i] = kvplan::to_f(x[i]);
+}
 
 // one block of nk <= KB keys (kt [D, KB] in sc): every query row's scores (q rows qs apart) -> sc.p
 inline void block_scores(Scratch& sc, int64_t Qn, int64_t qs, int64_t D) {
@@ -315,9 +358,12 @@ inline void block64(Scratch& sc, int64_t Qn, int64_t T, int64_t wq, int64_t nk, 
 }
 #endif
 
-// one (KV head, width) task: q [Qn, D], k, v [T, D] -> out [Qn, D]
-void run_task(const float* q, const float* k, const float* v, float* out, int64_t Qn, int64_t T, int64_t D, int64_t wq,
-              int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc) {
+// one (KV head, width, part) task: q [Qn, D], k, v [T, D] (fp32 or bf16), the part's rows begin .. end (begin a multiple of the
+// span, end too or T) -> its unnormalized accumulators acc [Qn, Dp], running max m and sum l [Qn]
+template <typename In>
+void run_task(const float* q, const In* k, const In* v, int64_t begin, int64_t end, int64_t Qn, int64_t T,
+              int64_t D, int64_t wq, int64_t bits, int64_t rows, int64_t gv, float scaling, Scratch& sc, float* acc_out,
+              float* m_out, float* l_out) {
   const int64_t Dp = (D + 15) / 16 * 16, qt = T - T % rows;
   const float levels = (float)((1 << bits) - 1);
   const int64_t span = span_rows(rows);                        // groups quantized before they are attended
@@ -329,10 +375,19 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
   std::fill(sc.m.begin(), sc.m.end(), -INFINITY);
   std::fill(sc.l.begin(), sc.l.end(), 0.f);
   float alpha[4];
-  for (int64_t r0 = 0; r0 < T;) {
+  for (int64_t r0 = begin; r0 < end;) {
     const bool quantized = r0 < qt;
-    const int64_t n = quantized ? std::min(span, qt - r0) : T - r0;     // whole groups, or the exact tail
-    const float *kr = k + r0 * D, *vr = v + r0 * D;            // [n, D] each
+    const int64_t n = std::min(quantized ? std::min(span, qt - r0) : T - r0, end - r0);   // whole groups, or the exact tail
+    const float *kr, *vr;                                       // [n, D] each
+    if constexpr (std::is_same_v<In, float>) {
+      kr = k + r0 * D;
+      vr = v + r0 * D;
+    } else {                                                    // widened where they are first read
+      widen(k + r0 * D, n * D, sc.kf.data());
+      widen(v + r0 * D, n * D, sc.vf.data());
+      kr = sc.kf.data();
+      vr = sc.vf.data();
+    }
     if (quantized) {                                            // n / rows groups -> kq, vq [n, D]
       for (int64_t j = 0; j < n; j += rows) {
         const float *kg = kr + j * D, *vg = vr + j * D;
@@ -369,19 +424,22 @@ void run_task(const float* q, const float* k, const float* v, float* out, int64_
     }
     r0 += n;
   }
-  for (int64_t r = 0; r < Qn; ++r)
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = sc.acc[r * Dp + d] / sc.l[r];
+  std::copy(sc.acc.begin(), sc.acc.begin() + Qn * Dp, acc_out);
+  std::copy(sc.m.begin(), sc.m.begin() + Qn, m_out);
+  std::copy(sc.l.begin(), sc.l.begin() + Qn, l_out);
 }
 
 }  // namespace
 
-// q [G, Qn, D], k, v [G, T, D] fp32 contiguous; per width b: bits[b], rows[b] (K's group rows),
+// q [G, Qn, D] fp32, k, v [G, T, D] fp32 or bf16 alike, contiguous; per width b: bits[b], rows[b] (K's group rows),
 // vgroups[b] (V's group channels, dividing D) -> [B, G, Qn, D] fp32
 torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> bits,
                               std::vector<int64_t> rows, std::vector<int64_t> vgroups, int64_t wq, double scaling) {
   for (const auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == torch::kFloat && !t->is_cuda(),
-                "q, k, v must be contiguous CPU fp32 [G, ., D]");
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && !t->is_cuda(), "q, k, v must be contiguous CPU [G, ., D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kBFloat16),
+              "q must be fp32, k and v fp32 or bf16 alike");
   const int64_t G = q.size(0), Qn = q.size(1), D = q.size(2), T = k.size(1), B = bits.size();
   TORCH_CHECK(k.size(0) == G && v.sizes() == k.sizes() && k.size(2) == D, "k, v must be [G, T, D] like q's G and D");
   TORCH_CHECK(rows.size() == (size_t)B && vgroups.size() == (size_t)B, "bits, rows and vgroups must be as long");
@@ -390,17 +448,53 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     TORCH_CHECK(bits[b] >= 1 && bits[b] <= 8 && rows[b] >= 1 && vgroups[b] >= 1 && D % vgroups[b] == 0,
                 "width ", b, ": bits in 1..8, rows >= 1, vgroups dividing D");
   auto out = torch::empty({B, G, Qn, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const bool bf = k.scalar_type() == torch::kBFloat16;
+  const void *kp = k.data_ptr(), *vp = v.data_ptr();
   float* op = out.data_ptr<float>();
   int64_t most = 0;                                             // the longest span of whole groups (run_task's)
   for (const int64_t r : rows) most = std::max(most, span_rows(r));
-  at::parallel_for(0, G * B, 1, [&](int64_t begin, int64_t end) {
-    Scratch sc(std::max(most, KB), Qn, D, (D + 15) / 16 * 16);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t % G, b = t / G;
-      run_task(qp + g * Qn * D, kp + g * T * D, vp + g * T * D, op + (b * G + g) * Qn * D, Qn, T, D, wq, bits[b], rows[b],
-               vgroups[b], (float)scaling, sc);
+  // each (head, width) in PARTS parts of whole spans (G·B tasks were too few to share 2 threads evenly: 9 took
+  // 5 task-times on one), the parts' flash states combined in order after; tasks taken from a shared counter
+  const int64_t Dp = (D + 15) / 16 * 16, tasks = G * B * PARTS;
+  std::vector<float> acc(tasks * Qn * Dp), m(tasks * Qn), l(tasks * Qn);
+  std::vector<int64_t> cut(B * (PARTS + 1));                    // width b's part p: rows cut[b][p] .. cut[b][p + 1]
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t span = span_rows(rows[b]), qt = T - T % rows[b];
+    for (int64_t p = 0; p <= PARTS; ++p)
+      cut[b * (PARTS + 1) + p] = p == PARTS ? T : std::min(qt / span * span, (T / PARTS * p) / span * span);
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch sc(std::max(most, KB), Qn, D, Dp);
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+      const int64_t b = t / (G * PARTS), g = t / PARTS % G, p = t % PARTS;
+      const int64_t begin = cut[b * (PARTS + 1) + p], end = cut[b * (PARTS + 1) + p + 1];
+      float *ap = acc.data() + t * Qn * Dp, *mp = m.data() + t * Qn, *lp = l.data() + t * Qn;
+      if (bf)
+        run_task(qp + g * Qn * D, static_cast<const kvplan::bf16*>(kp) + g * T * D,
+                 static_cast<const kvplan::bf16*>(vp) + g * T * D, begin, end, Qn, T, D, wq, bits[b], rows[b], vgroups[b],
+                 (float)scaling, sc, ap, mp, lp);
+      else
+        run_task(qp + g * Qn * D, static_cast<const float*>(kp) + g * T * D, static_cast<const float*>(vp) + g * T * D,
+                 begin, end, Qn, T, D, wq, bits[b], rows[b], vgroups[b], (float)scaling, sc, ap, mp, lp);
     }
   });
+  for (int64_t bg = 0; bg < B * G; ++bg)                        // the parts' states, in order -> out [Qn, D]
+    for (int64_t r = 0; r < Qn; ++r) {
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < PARTS; ++p) mx = std::max(mx, m[(bg * PARTS + p) * Qn + r]);
+      float w[PARTS], den = 0.f;
+      for (int64_t p = 0; p < PARTS; ++p) {
+        const float mp = m[(bg * PARTS + p) * Qn + r];
+        w[p] = mp == -INFINITY ? 0.f : std::exp(mp - mx);
+        den += w[p] * l[(bg * PARTS + p) * Qn + r];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float num = 0.f;
+        for (int64_t p = 0; p < PARTS; ++p) num += w[p] * acc[((bg * PARTS + p) * Qn + r) * Dp + d];
+        op[(bg * Qn + r) * D + d] = num / den;
+      }
+    }
   return out;
 }

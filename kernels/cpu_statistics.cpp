@@ -12,6 +12,16 @@
 //   the sum of p·v and of p: one pass over the rows, each row's p·v added to its set's accumulators
 //   (`kvcore.statistics.layer_losses`' nested kept sets are prefix sums of these).
 //
+// nested_errors: from those sums, each kept share's output (the sets up to its own, p·v over p) against
+//   the exact one (every set's p·v), the squared error summed and relative: one pass, no [G, S, Q, D]
+//   prefix tensors (their ~10 small torch ops were a tenth of a layer's statistics).
+//
+// copy_span: the copy span's causal max filter (kvcore.scoring.spread), a row's window at a time.
+//
+// rank_sets: each context row's kept set from its ranking score: rows ordered by score, highest
+//   first (ties: the earlier row first), cut at the given ranks; each cut found by nth_element over
+//   what the cuts before it left (no full sort: a 4k row's sets in a tenth of torch's argsort).
+//
 // mean_angle: the mean angular distance arccos(cos)/π between the same rows of two tensors (a
 //   token's keys in two layers), norms and dot products in one pass over both.
 //
@@ -44,7 +54,7 @@ inline void block_scores(const float* qs, int64_t D, const float* kb, int64_t Tp
     for (int v = 0; v < 4; ++v) acc[x][v] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
     __m512 k[4];
-    for (int v = 0; v < 4; ++v) k[v] = _mm512_loadu_ps(kb + d * KB + 16 * v);
+    for (int v = 0; v < 4; ++v) k[v] = kvplan::in_register(_mm512_loadu_ps(kb + d * KB + 16 * v));
     for (int x = 0; x < ROWS; ++x) {
       const __m512 b = _mm512_set1_ps(qs[x * D + d]);
       for (int v = 0; v < 4; ++v) acc[x][v] = _mm512_fmadd_ps(b, k[v], acc[x][v]);
@@ -108,6 +118,107 @@ bool stats_kernels() {
 #else
   return false;
 #endif
+}
+
+// num [G, S, Q, D], den [G, S, Q] fp32 per-set sums (segment_sums) and upto [F] set indices -> [F] fp32:
+// share f's output o_f = (num over sets 0..upto[f]) / (den over them), against e = num over every set:
+// sum (o_f - e)^2 / sum e^2 over G, Q, D (prefix sums in set order, fp32; the squares summed in fp64).
+// Any host.
+torch::Tensor nested_errors(torch::Tensor num, torch::Tensor den, std::vector<int64_t> upto) {
+  TORCH_CHECK(num.dim() == 4 && den.dim() == 3 && num.is_contiguous() && den.is_contiguous() && !num.is_cuda() &&
+                  !den.is_cuda() && num.scalar_type() == torch::kFloat && den.scalar_type() == torch::kFloat,
+              "num, den must be contiguous CPU fp32 [G, S, Q, D] and [G, S, Q]");
+  const int64_t G = num.size(0), S = num.size(1), Q = num.size(2), D = num.size(3), F = upto.size();
+  TORCH_CHECK(den.size(0) == G && den.size(1) == S && den.size(2) == Q, "den must be num's [G, S, Q]");
+  for (const int64_t u : upto) TORCH_CHECK(u >= 0 && u < S, "upto must be set indices in 0..", S - 1);
+  std::vector<double> err(F, 0.0);
+  double norm = 0.0;
+  const float *np = num.data_ptr<float>(), *dp = den.data_ptr<float>();
+  std::vector<float> pre(S * D), pden(S), exact(D);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t q = 0; q < Q; ++q) {
+      for (int64_t s = 0; s < S; ++s) {                        // prefix sums over the sets, in order
+        const float* row = np + ((g * S + s) * Q + q) * D;
+        for (int64_t d = 0; d < D; ++d) pre[s * D + d] = (s ? pre[(s - 1) * D + d] : 0.f) + row[d];
+        pden[s] = (s ? pden[s - 1] : 0.f) + dp[(g * S + s) * Q + q];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        exact[d] = pre[(S - 1) * D + d];
+        norm += (double)exact[d] * exact[d];
+      }
+      for (int64_t f = 0; f < F; ++f) {
+        const float dn = std::max(pden[upto[f]], 1e-30f);
+        double e = 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          const float diff = pre[upto[f] * D + d] / dn - exact[d];
+          e += (double)diff * diff;
+        }
+        err[f] += e;
+      }
+    }
+  auto out = torch::empty({F}, num.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t f = 0; f < F; ++f) op[f] = (float)(err[f] / std::max(norm, 1e-30));
+  return out;
+}
+
+// scores [H, T] fp32 -> [H, T]: each token's peak, the highest of itself and the span tokens before it, the
+// first such token's distance behind subtracted as behind · 2^-20 · |peak| (kvcore.scoring.spread, bit for
+// bit: the product and the difference rounded apart, never fused). Any host.
+__attribute__((optimize("fp-contract=off"))) torch::Tensor copy_span(torch::Tensor scores, int64_t span) {
+  TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous() && !scores.is_cuda() && scores.scalar_type() == torch::kFloat,
+              "scores must be a contiguous CPU fp32 [H, T] tensor");
+  TORCH_CHECK(span >= 0, "span must be >= 0");
+  const int64_t H = scores.size(0), T = scores.size(1);
+  auto out = torch::empty_like(scores);
+  const float* x = scores.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float step = std::ldexp(1.f, -20);
+  at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      const float* r = x + h * T;
+      for (int64_t t = 0; t < T; ++t) {
+        int64_t at = std::max<int64_t>(0, t - span);
+        for (int64_t j = at + 1; j <= t; ++j)
+          if (r[j] > r[at]) at = j;                             // the first of equal peaks
+        const float peak = r[at], behind = (float)(t - at) * step;
+        o[h * T + t] = std::isfinite(peak) ? peak - behind * std::fabs(peak) : peak;
+      }
+    }
+  });
+  return out;
+}
+
+// ranked [G, n] fp32 (finite) and cuts (ascending, within 0..n) -> [G, n] int32: 1 + how many cuts are
+// <= the row's rank (rank 0: the highest score; equal scores: the lower index first), i.e. set 1 for
+// ranks below cuts[0], set 2 up to cuts[1], ..., set C + 1 from cuts[C - 1] on. Any host.
+torch::Tensor rank_sets(torch::Tensor ranked, std::vector<int64_t> cuts) {
+  TORCH_CHECK(ranked.dim() == 2 && ranked.is_contiguous() && !ranked.is_cuda() && ranked.scalar_type() == torch::kFloat,
+              "ranked must be a contiguous CPU fp32 [G, n] tensor");
+  const int64_t G = ranked.size(0), n = ranked.size(1);
+  for (size_t i = 0; i < cuts.size(); ++i)
+    TORCH_CHECK(cuts[i] >= 0 && cuts[i] <= n && (i == 0 || cuts[i] >= cuts[i - 1]),
+                "cuts must be ascending within 0..", n);
+  auto out = torch::empty({G, n}, ranked.options().dtype(torch::kInt));
+  const float* rp = ranked.data_ptr<float>();
+  int32_t* op = out.data_ptr<int32_t>();
+  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> idx(n);
+    for (int64_t g = begin; g < end; ++g) {
+      const float* x = rp + g * n;
+      int32_t* o = op + g * n;
+      for (int64_t i = 0; i < n; ++i) idx[i] = (int32_t)i;
+      const auto before = [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+      int64_t lo = 0;
+      for (size_t c = 0; c <= cuts.size(); ++c) {         // set c + 1: ranks lo .. cut
+        const int64_t hi = c < cuts.size() ? cuts[c] : n;
+        if (hi > lo && hi < n) std::nth_element(idx.begin() + lo, idx.begin() + hi, idx.end(), before);
+        for (int64_t i = lo; i < hi; ++i) o[idx[i]] = (int32_t)(c + 1);
+        lo = std::max(lo, hi);
+      }
+    }
+  });
+  return out;
 }
 
 // q [G, gq·w, D] the window's queries (query head j of KV head g: rows j·w .. j·w + w - 1, the last at

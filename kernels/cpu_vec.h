@@ -26,6 +26,14 @@ template <typename T> inline T from_f(float x) { return T(x); }      // c10's co
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define KVPLAN_AVX512 1
+// x held in a register from here on: a vector loaded once and used by several FMAs is otherwise folded
+// back into each as a memory operand (GCC 12), a load per FMA where the loads, not the FMAs, then bound
+// the loop
+template <typename V>
+inline V in_register(V x) {
+  asm("" : "+v"(x));
+  return x;
+}
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -4,7 +4,7 @@ several bit widths: the outputs the statistics' quant losses compare with the ex
 
     kernel      C++ on the CPU (`kernels/cpu_quant_attention.cpp`, `quant_attention`): each width's
                 quantized copy made group by group and attended flash-style, never stored
-    launcher    `quant_attention`: checks the arguments, the kernel for CPU fp32, else the reference
+    launcher    `quant_attention`: checks the arguments, the kernel for CPU K/V in fp32 or bf16, else the reference
     reference   `quant_attention_reference`: every width's K and V dequantized whole
                 (`kernels.quant`, the pool's quantization), then plain attention
 
@@ -23,6 +23,9 @@ import torch
 from kernels import cpu_extension
 from kernels.backend import backend
 from kvcore.blocks import quant_shape
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16)      # what the kernel reads K and V in
 
 
 def groups(bits: int, d: int) -> tuple[int, int]:
@@ -62,16 +65,16 @@ def quant_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bits: list[int], wq: int,
                     scaling: float) -> torch.Tensor:
-    """q [G, Qn, D], k, v [G, T, D] -> [B, G, Qn, D] fp32. The C++ kernel for CPU fp32 tensors where
-    built (contiguous copies made here), else the reference."""
+    """q [G, Qn, D], k, v [G, T, D] -> [B, G, Qn, D] fp32. The C++ kernel for CPU K/V in fp32 or bf16
+    (widened as it reads them) where built (contiguous copies made here), else the reference."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q must be [G, Qn, D] and k, v [G, T, D] alike, got {list(q.shape)}, {list(k.shape)}, "
                          f"{list(v.shape)}")
     if not 1 <= wq <= k.shape[1] or q.shape[1] % wq:
         raise ValueError(f"wq must divide the {q.shape[1]} query rows and be within 1..{k.shape[1]}, got {wq}")
     ext = cpu_extension.module() if backend(q.device) == "cpp" else None
-    if ext is not None and hasattr(ext, "quant_attention") and q.dtype == k.dtype == v.dtype == torch.float32:
+    if ext is not None and hasattr(ext, "quant_attention") and k.dtype == v.dtype and k.dtype in KV_DTYPES:
         widths = [groups(b, q.shape[2]) for b in bits]
-        return ext.quant_attention(q.contiguous(), k.contiguous(), v.contiguous(), list(bits), [r for r, _ in widths],
-                                   [c for _, c in widths], wq, float(scaling))
+        return ext.quant_attention(q.float().contiguous(), k.contiguous(), v.contiguous(), list(bits),
+                                   [r for r, _ in widths], [c for _, c in widths], wq, float(scaling))
     return quant_attention_reference(q, k, v, bits, wq, scaling)

@@ -1,15 +1,18 @@
 """The passes over a layer's context that its statistics make (`kvcore.statistics.LayerStatistics.add`):
 the observation window's attention summed per query head, with the loss queries' probabilities;
-the loss queries' attention summed over disjoint sets of context rows; the mean angle between
-the same rows of two layers.
+the loss queries' attention summed over disjoint sets of context rows, each row's set from its
+rank, and each nested share's output error from those sums; the mean angle between the same rows
+of two layers.
 
     kernel      C++ on the CPU with AVX-512 (`kernels/cpu_statistics.cpp`: `window_stats`,
-                `segment_sums`, `mean_angle`): K transposed once into blocks of 64 keys, a block
-                of query rows against 64 keys in registers; each set's rows listed and summed in
-                registers; norms and dot products of both rows in one pass
-    launcher    `window_stats`, `segment_sums`, `mean_angle`: check the arguments, the kernel
+                `segment_sums`, `mean_angle`; `rank_sets`, `nested_errors` on any host): K transposed once into
+                blocks of 64 keys, a block of query rows against 64 keys in registers; each set's
+                rows listed and summed in registers; the ranks' cuts by nth_element, no full sort;
+                norms and dot products of both rows in one pass
+    launcher    `window_stats`, `segment_sums`, `rank_sets`, `nested_errors`, `mean_angle`: check the arguments, the kernel
                 where built for this host, else the reference
-    reference   `window_stats_reference`, `segment_sums_reference`, `mean_angle_reference`: plain torch
+    reference   `window_stats_reference`, `segment_sums_reference`, `rank_sets_reference`,
+                `nested_errors_reference`, `mean_angle_reference`: plain torch
 
 Shapes: G KV heads; gq query heads a KV head; w window rows, e <= w loss rows; T context rows; D
 head dim; Q query rows a KV head; S sets."""
@@ -44,6 +47,51 @@ def segment_sums_reference(p: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, 
     onehot = (seg.long()[:, None, :] == torch.arange(sets, device=p.device)[None, :, None]).float()   # [G, S, T]
     masked = p[:, None] * onehot[:, :, None]                                                # [G, S, Q, T]
     return torch.matmul(masked, v.float()[:, None]), masked.sum(-1)
+
+
+def nested_errors_reference(num: torch.Tensor, den: torch.Tensor, upto: list[int]) -> torch.Tensor:
+    """num [G, S, Q, D], den [G, S, Q] per-set sums (`segment_sums`), upto [F] set indices -> [F] fp32:
+    share f's output (num / den over sets 0..upto[f]) against every set's num, the squared error
+    summed over G, Q, D relative to the latter's squared sum."""
+    num, den = num.float().cumsum(1), den.float().cumsum(1)
+    exact = num[:, -1]                                                                      # [G, Q, D]
+    outs = num[:, upto] / den[:, upto, :, None].clamp_min(1e-30)                            # [G, F, Q, D]
+    return (outs - exact[:, None]).pow(2).sum((0, 2, 3)) / exact.pow(2).sum().clamp_min(1e-30)
+
+
+def nested_errors(num: torch.Tensor, den: torch.Tensor, upto: list[int]) -> torch.Tensor:
+    """As `nested_errors_reference`: the C++ loop for CPU tensors where the extension is built."""
+    if num.dim() != 4 or den.shape != num.shape[:3]:
+        raise ValueError(f"num must be [G, S, Q, D] and den [G, S, Q], got {list(num.shape)}, {list(den.shape)}")
+    if any(not 0 <= u < num.shape[1] for u in upto):
+        raise ValueError(f"upto must be set indices within 0..{num.shape[1] - 1}, got {list(upto)}")
+    ext = cpu_extension.module() if backend(num.device) == "cpp" else None
+    if ext is not None and hasattr(ext, "nested_errors"):
+        return ext.nested_errors(num.float().contiguous(), den.float().contiguous(), [int(u) for u in upto])
+    return nested_errors_reference(num, den, upto)
+
+
+def rank_sets_reference(ranked: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """ranked [G, n], cuts ascending within 0..n -> [G, n] int32: 1 + how many cuts are <= each row's
+    rank (rank 0: the highest score; equal scores: the earlier row first)."""
+    g, n = ranked.shape
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices                 # [G, n] best first
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=ranked.device).expand(g, -1))
+    bounds = torch.tensor(cuts, dtype=rank.dtype, device=ranked.device)
+    return (1 + torch.bucketize(rank, bounds, right=True)).int()
+
+
+def rank_sets(ranked: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """As `rank_sets_reference`: the C++ kernel for CPU tensors where the extension is built."""
+    if ranked.dim() != 2:
+        raise ValueError(f"ranked must be [G, n], got {list(ranked.shape)}")
+    n = ranked.shape[1]
+    if any(not 0 <= c <= n for c in cuts) or list(cuts) != sorted(cuts):
+        raise ValueError(f"cuts must be ascending within 0..{n}, got {list(cuts)}")
+    ext = cpu_extension.module() if backend(ranked.device) == "cpp" else None
+    if ext is not None and hasattr(ext, "rank_sets"):
+        return ext.rank_sets(ranked.float().contiguous(), [int(c) for c in cuts])
+    return rank_sets_reference(ranked, cuts)
 
 
 def _kernels():

@@ -73,10 +73,27 @@ def spread(scores: torch.Tensor, span: int) -> torch.Tensor:
     its first tokens, the ones a copy reads first, and runs of different peaks keep their order."""
     if span <= 0 or scores.shape[-1] == 0:
         return scores
+    ext = _cpu_kernels() if scores.dim() == 2 and scores.device.type == "cpu" and scores.dtype == torch.float32 else None
+    if ext is not None:
+        return ext.copy_span(scores.contiguous(), span)              # kernels/cpu_statistics.cpp: the same, bit for bit
+    return spread_reference(scores, span)
+
+
+def spread_reference(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """`spread` in plain torch (any device): a window's max and its first place by unfold."""
+    if span <= 0 or scores.shape[-1] == 0:
+        return scores
     padded = F.pad(scores, (span, 0), value=float("-inf"))                             # [H, span + T]
     peak, at = padded.unfold(-1, span + 1, 1).max(-1)                                  # [H, T] each; at: the first
     behind = span - at                                                                 # peak's place, 0..span; [H, T]
     return torch.where(peak.isfinite(), peak - behind * SPAN_TIE_BREAK * peak.abs(), peak)
+
+
+def _cpu_kernels():
+    """The built CPU extension where it has `copy_span` (`kernels/cpu_statistics.cpp`), else None."""
+    from kernels import cpu_extension
+    ext = cpu_extension.module()
+    return ext if ext is not None and hasattr(ext, "copy_span") else None
 
 
 def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

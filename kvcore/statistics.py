@@ -109,8 +109,9 @@ def _grouped_probs(q: torch.Tensor, k_t: torch.Tensor, causal: torch.Tensor, sca
     return torch.softmax(logits, dim=-1)
 
 
-def _rel(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    return (out - exact).pow(2).sum() / exact.pow(2).sum().clamp_min(1e-30)                   # 0-d
+def _rel_each(outs: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """outs [N, *S], exact [*S] -> [N]: each output's squared error relative to the exact one's square."""
+    return (outs - exact).pow(2).flatten(1).sum(1) / exact.pow(2).sum().clamp_min(1e-30)
 
 
 def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_mass: torch.Tensor,
@@ -126,7 +127,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     in one pass (`kernels.window_stats.segment_sums`), and each share's output is the prefix sum of
     the sets up to it (= softmax over just the kept logits); all of them is the exact output."""
     from kernels.quant_attention import groups, quant_attention
-    from kernels.window_stats import segment_sums
+    from kernels.window_stats import nested_errors, rank_sets, segment_sums
     wq, d = q_win.shape[1], q_win.shape[2]
     hk, t, _ = k.shape
     window = min(window, t)
@@ -139,26 +140,25 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
     ranked = scoring.spread(scoring.pool(mass, POOL), SPAN)[:, sinks:t - window]            # [H_kv, n_ctx]
-    order = ranked.argsort(dim=-1, descending=True)                                         # [H_kv, n_ctx] best first
     counts = [round(f * n_ctx) for f in FRACTIONS]
     bounds = sorted({c for c in counts if c > 0})                                           # set i + 1: ranks below bounds[i]
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(n_ctx, device=k.device).expand(hk, -1))
     seg = torch.zeros(hk, t, dtype=torch.int32, device=k.device)                            # set 0: sinks and window
-    seg[:, sinks:t - window] = 1 + sum((rank >= b).int() for b in bounds[:-1])           # (no bounds tensor to copy)
-    num, den = segment_sums(probs, v, seg, 1 + len(bounds))                                 # [H_kv, S, g Wq, D], [.., g Wq]
-    num, den = num.cumsum(1), den.cumsum(1)
-    exact = num[:, -1]                                                                      # every row: p·v
+    seg[:, sinks:t - window] = rank_sets(ranked, bounds[:-1])                               # ranks best first (ties: earlier)
+    sets = 1 + len(bounds)
+    num, den = segment_sums(probs, v, seg, sets)                                            # [H_kv, S, g Wq, D], [.., g Wq]
+    exact = num.sum(1)                                                                      # [H_kv, g Wq, D] every row: p·v
     at = {0: 0} | {c: 1 + i for i, c in enumerate(bounds)}
-    zero = exact.new_zeros(())
-    evict = [zero if c == n_ctx else _rel(num[:, at[c]] / den[:, at[c], :, None].clamp_min(1e-30), exact)
-             for c in counts]                                                               # all kept: exact
-    held = torch.cat([mass[:, :sinks].sum(-1, keepdim=True) + mass[:, t - window:].sum(-1, keepdim=True),
-                      mass[:, sinks:t - window].gather(1, order)], dim=1).cumsum(-1)         # [H_kv, 1 + n_ctx]
-    retained = torch.stack([held[:, c] for c in counts], 1).mean(0)                         # [F] (no index tensor to copy)
+    upto = [at[c] for c in counts]                                                          # [F] each share's last set
+    evict = nested_errors(num, den, upto)                                                   # [F]
+    evict = evict.masked_fill(torch.tensor([c == n_ctx for c in counts], device=k.device), 0.0)  # all kept: exact
+    held = torch.zeros(hk, sets, device=k.device).scatter_add_(1, seg.long(), mass).cumsum(1)  # [H_kv, S] mass kept
+    retained = held[:, upto].mean(0)                                                        # [F]
     widths = [b for b in BITS if b != 16 and t >= groups(b, d)[0]]              # shorter than a group: all dense
-    outs = quant_attention(q_win.float().reshape(hk, -1, d), k.float(), v.float(), widths, wq, scaling) if widths else None
-    quant = [_rel(outs[widths.index(b)], exact) if b in widths else zero for b in BITS]      # [B, H_kv, g Wq, D]
-    return torch.stack(evict), retained, torch.stack(quant)
+    quant = torch.zeros(len(BITS), device=k.device)                                         # [B] (16, dense: 0)
+    if widths:
+        outs = quant_attention(q_win.float().reshape(hk, -1, d), k, v, widths, wq, scaling)
+        quant[[BITS.index(b) for b in widths]] = _rel_each(outs, exact)                     # [B', H_kv, g Wq, D]
+    return evict, retained, quant
 
 
 @dataclass

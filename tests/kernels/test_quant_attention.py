@@ -39,11 +39,12 @@ CASES = [(3, 3, 8, 300, 64, [8, 4, 2]), (3, 3, 8, 96, 64, [8, 4, 2]), (2, 1, 5, 
 
 @needs_kernel
 @pytest.mark.parametrize("case", CASES, ids=[f"G{c[0]}g{c[1]}W{c[2]}T{c[3]}D{c[4]}" for c in CASES])
-def test_kernel_matches_the_reference(case):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_reference(case, dtype):
     g, heads, wq, t, d, bits = case
     gen = torch.Generator().manual_seed(t)
     q = torch.randn(g, heads * wq, d, generator=gen)
-    k, v = torch.randn(g, t, d, generator=gen) * 2, torch.randn(g, t, d, generator=gen)
+    k, v = (torch.randn(g, t, d, generator=gen) * 2).to(dtype), torch.randn(g, t, d, generator=gen).to(dtype)
     got = cpu_extension.module().quant_attention(q, k, v, bits, [qa.groups(b, d)[0] for b in bits],
                                                  [qa.groups(b, d)[1] for b in bits], wq, d ** -0.5)
     want = qa.quant_attention_reference(q, k, v, bits, wq, d ** -0.5)

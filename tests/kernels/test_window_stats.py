@@ -32,6 +32,23 @@ def test_the_segment_reference_sums_each_sets_rows():
     torch.testing.assert_close(den, torch.tensor([[[0.25], [0.5]]]))                  # row 2 in no set
 
 
+def test_the_nested_reference_compares_each_prefix_output_with_every_sets():
+    num = torch.tensor([[[[1.0]], [[3.0]]]])                                          # [G=1, S=2, Q=1, D=1]
+    den = torch.tensor([[[0.25], [0.75]]])                                            # set 0 alone: 1 / 0.25 = 4
+    got = ws.nested_errors_reference(num, den, [0, 1])                                # exact: 1 + 3 = 4
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0]))
+    got = ws.nested_errors_reference(num, torch.tensor([[[0.5], [0.5]]]), [0, 1])     # 2 against 4; 4 against 4
+    torch.testing.assert_close(got, torch.tensor([(2 - 4) ** 2 / 16, 0.0]))
+
+
+def test_the_rank_reference_cuts_rows_by_score_ties_earlier_first():
+    ranked = torch.tensor([[0.1, 0.9, 0.5, 0.5, 0.7, 0.0]])                          # ranks 4, 0, 2, 3, 1, 5
+    got = ws.rank_sets_reference(ranked, [2, 4])                                      # ranks 0-1 | 2-3 | 4-5
+    assert got.dtype == torch.int32
+    assert got.tolist() == [[3, 1, 2, 2, 1, 3]]
+    assert ws.rank_sets_reference(ranked, [3, 3]).tolist() == [[3, 1, 1, 3, 1, 3]]   # the tie at 0.5: row 2 first
+
+
 def test_the_angle_reference_is_the_mean_arccos_over_rows():
     a = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     b = torch.tensor([[0.0, 1.0], [1.0, 0.0]])                                        # 90° and 0°
@@ -80,6 +97,31 @@ def test_angle_kernel_matches_the_reference():
         assert float(got) == pytest.approx(float(ws.mean_angle_reference(a, b)), rel=1e-5)
 
 
+@pytest.mark.skipif(cpu_extension.module() is None, reason="no C++ compiler here: the reference runs")
+@pytest.mark.parametrize("n,cuts", [(4060, [0, 203, 325, 487, 731, 1015, 1421, 2030, 3045]), (10, [2, 2, 5]),
+                                    (7, []), (5, [5]), (1, [0, 1]), (300, [0, 0, 300])])
+@pytest.mark.parametrize("ties", [False, True])
+def test_rank_kernel_matches_the_reference(n, cuts, ties):
+    gen = torch.Generator().manual_seed(n)
+    ranked = torch.randint(0, 4, (3, n), generator=gen).float() if ties else torch.rand(3, n, generator=gen)
+    got = cpu_extension.module().rank_sets(ranked, cuts)
+    assert torch.equal(got, ws.rank_sets_reference(ranked, cuts))
+
+
+@pytest.mark.skipif(cpu_extension.module() is None, reason="no C++ compiler here: the reference runs")
+def test_nested_kernel_matches_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    p = torch.rand(3, 24, 500, generator=gen)
+    p = p / p.sum(-1, keepdim=True)
+    seg = torch.randint(0, 7, (3, 500), generator=gen, dtype=torch.int32)
+    num, den = ws.segment_sums_reference(p, torch.randn(3, 500, 64, generator=gen), seg, 7)
+    upto = [0, 2, 2, 5, 6]
+    got = cpu_extension.module().nested_errors(num, den, upto)
+    want = ws.nested_errors_reference(num, den, upto)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert float(got[0]) > float(got[3]) > 0
+
+
 def test_the_launchers_name_bad_arguments():
     q, k = torch.randn(3, 96, 64), torch.randn(3, 100, 64)
     with pytest.raises(ValueError, match="w must divide"):
@@ -90,5 +132,15 @@ def test_the_launchers_name_bad_arguments():
         ws.window_stats(q[0], k, 32, 8, 0.125)
     with pytest.raises(ValueError, match=r"seg \[G, T\]"):
         ws.segment_sums(torch.rand(3, 24, 100), k, torch.zeros(3, 99, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="upto must be set indices"):
+        ws.nested_errors(torch.rand(3, 4, 24, 64), torch.rand(3, 4, 24), [4])
+    with pytest.raises(ValueError, match=r"den \[G, S, Q\]"):
+        ws.nested_errors(torch.rand(3, 4, 24, 64), torch.rand(3, 4), [1])
+    with pytest.raises(ValueError, match="cuts must be ascending"):
+        ws.rank_sets(torch.rand(3, 10), [5, 2])
+    with pytest.raises(ValueError, match="cuts must be ascending"):
+        ws.rank_sets(torch.rand(3, 10), [11])
+    with pytest.raises(ValueError, match=r"ranked must be \[G, n\]"):
+        ws.rank_sets(torch.rand(10), [1])
     with pytest.raises(ValueError, match=r"\[\.\.\., D\] alike"):
         ws.mean_angle(k, q)

@@ -1,20 +1,34 @@
 """Eviction scoring helpers on small worked examples."""
+import pytest
 import torch
 
 from kvcore import scoring
 
 
-def test_spread_carries_a_peak_over_the_next_span_tokens():
+@pytest.mark.parametrize("spread", [scoring.spread, scoring.spread_reference], ids=["spread", "reference"])
+def test_spread_carries_a_peak_over_the_next_span_tokens(spread):
     s = torch.tensor([[0., 0., 5., 0., 0., 0., 0., 1., 0., 0.],
                       [3., 0., 0., 0., 0., 0., 0., 0., 0., 2.]])
-    got = scoring.spread(s, 3)
+    got = spread(s, 3)
     step = scoring.SPAN_TIE_BREAK
     want = torch.tensor([[0., 0., 5., 5 * (1 - step), 5 * (1 - 2 * step), 5 * (1 - 3 * step), 0., 1., 1 - step, 1 - 2 * step],
                          [3., 3 * (1 - step), 3 * (1 - 2 * step), 3 * (1 - 3 * step), 0., 0., 0., 0., 0., 2.]])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert (got[0, 2:6].diff() < 0).all() and (got[0, 7:].diff() < 0).all()         # a run falls off after its peak
-    assert torch.equal(scoring.spread(s, 0), s)
-    assert scoring.spread(torch.zeros(2, 0), 4).shape == (2, 0)
+    assert torch.equal(spread(s, 0), s)
+    assert spread(torch.zeros(2, 0), 4).shape == (2, 0)
+
+
+@pytest.mark.skipif(scoring._cpu_kernels() is None, reason="no C++ compiler here: the reference runs")
+@pytest.mark.parametrize("span", [1, 3, 16])
+def test_the_cpu_spread_is_the_reference_bit_for_bit(span):
+    gen = torch.Generator().manual_seed(span)
+    s = torch.rand(9, 4096, generator=gen)
+    s[:, ::7] = 0.5                                                                   # equal peaks in one window
+    s[1, 100:140] = float("-inf")                                                     # windows with nothing finite
+    s[2, :3] = float("-inf")
+    got = scoring._cpu_kernels().copy_span(s, span)
+    assert torch.equal(got, scoring.spread_reference(s, span))
 
 
 def test_spread_keeps_the_run_after_an_attended_token():
@@ -37,9 +51,10 @@ def test_a_budget_that_ends_inside_a_run_keeps_the_run_s_first_tokens():
         assert got.tolist() == [list(range(at, at + keep))] * 4
 
 
-def test_spread_leaves_infinite_scores_alone():
+@pytest.mark.parametrize("spread", [scoring.spread, scoring.spread_reference], ids=["spread", "reference"])
+def test_spread_leaves_infinite_scores_alone(spread):
     s = torch.tensor([[float("-inf"), 1.0, float("-inf"), float("-inf")]])
-    got = scoring.spread(s, 1)
+    got = spread(s, 1)
     assert got[0, 0] == float("-inf") and got[0, 3] == float("-inf") and not got.isnan().any()
 
 
