@@ -257,26 +257,33 @@ std::tuple<torch::Tensor, torch::Tensor> window_stats(torch::Tensor q, torch::Te
   });
   const void* qp = q.data_ptr();
   float *sp = s.data_ptr<float>(), *lp = last.data_ptr<float>();
-  at::parallel_for(0, G * gq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float>& L = scratch(1, w * Tp);
-    std::vector<float>& qs = scratch(2, w * D);
+  // a task: one query head's half of the window rows (G·gq heads were 9 tasks for 2 threads: one took 5),
+  // each half's sum in its own rows (the second half's in `part`), added after
+  const int64_t hw = (w + 1) / 2;
+  std::vector<float> part(G * gq * T, 0.f);
+  at::parallel_for(0, G * gq * 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float>& L = scratch(1, hw * Tp);
+    std::vector<float>& qs = scratch(2, hw * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / gq, j = task % gq;
-      const int64_t q0 = (g * R + j * w) * D;
-      for (int64_t i = 0; i < w * D; ++i)
+      const int64_t head = task / 2, g = head / gq, j = head % gq, r0 = task % 2 * hw, nr = std::min(hw, w - r0);
+      const int64_t q0 = (g * R + j * w + r0) * D;
+      for (int64_t i = 0; i < nr * D; ++i)
         qs[i] = (bf ? to_f(static_cast<const kvplan::bf16*>(qp)[q0 + i]) : static_cast<const float*>(qp)[q0 + i]) *
                 (float)scaling;
       const float* kg = kT.data() + g * nb * D * KB;
       int64_t x = 0;
-      for (; x + 4 <= w; x += 4) rows_scores<4>(qs.data() + x * D, D, kg, Tp, L.data() + x * Tp);
-      for (; x < w; ++x) rows_scores<1>(qs.data() + x * D, D, kg, Tp, L.data() + x * Tp);
-      float* srow = sp + (g * gq + j) * T;
-      for (int64_t i = 0; i < w; ++i) {
-        const int64_t n = T - w + i + 1;                        // keys up to the row's own position
-        float* lrow = i >= w - e ? lp + ((g * gq + j) * e + i - (w - e)) * T : nullptr;
-        row_probs(L.data() + i * Tp, n, T, srow, lrow);
+      for (; x + 4 <= nr; x += 4) rows_scores<4>(qs.data() + x * D, D, kg, Tp, L.data() + x * Tp);
+      for (; x < nr; ++x) rows_scores<1>(qs.data() + x * D, D, kg, Tp, L.data() + x * Tp);
+      float* srow = (r0 ? part.data() : sp) + head * T;
+      for (int64_t x2 = 0; x2 < nr; ++x2) {
+        const int64_t i = r0 + x2, n = T - w + i + 1;           // window row i sees keys up to its own position
+        float* lrow = i >= w - e ? lp + (head * e + i - (w - e)) * T : nullptr;
+        row_probs(L.data() + x2 * Tp, n, T, srow, lrow);
       }
     }
+  });
+  at::parallel_for(0, G * gq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * T; i < end * T; ++i) sp[i] += part[i];
   });
 #endif
   return {s, last};
