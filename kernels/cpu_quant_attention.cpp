@@ -5,6 +5,9 @@
 // stored: the statistics run inside the executor's prefill, and writing a dequantized K and V per
 // width per layer was most of their cost. K and V are read as they are, row after row (a transposed
 // K, read a channel at a time, cost a cache miss per channel per group and was half the kernel's time).
+// K and V come in fp32 or bf16 (widened a span at a time as they are read). A task is one KV head's
+// width over one of PARTS runs of whole spans; the parts' flash states are combined in part order, so
+// a result does not depend on the thread count.
 //
 // Quantization as the pool's (kernels.quant: min/max levels, no refits): K per channel over groups
 // of `rows` rows, V per row over groups of `vgroup` channels; scale (max - min) / (2^b - 1) and
@@ -12,8 +15,8 @@
 // 0: code 0), value zero + code * scale in fp32. Rows past the last whole group stay exact.
 //
 // AVX-512 (16 lanes) and AVX2 (8 lanes) find a group's min/max and requantize in registers, K's
-// channels a vector at a time down the group's rows; other hosts and shapes take scalar loops of
-// the same math.
+// channels a vector at a time down the group's rows, V's groups 16 at a time through each stage
+// (AVX-512); other hosts and shapes take scalar loops of the same math.
 //
 // Shapes: G KV heads, Qn query rows per head (g query heads x Wq window rows, head-major: row r sits
 // at position T - Wq + r % Wq and sees rows 0..that), T rows, D head dim, B widths.
