@@ -152,6 +152,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
     evict = nested_errors(num, den, upto)                                                   # [F]
     evict = evict.masked_fill(torch.tensor([c == n_ctx for c in counts], device=k.device), 0.0)  # all kept: exact
     held = torch.zeros(hk, sets, device=k.device).scatter_add_(1, seg.long(), mass).cumsum(1)  # [H_kv, S] mass kept
+    held = held / held[:, -1:].clamp_min(1e-30)                     # a share of the whole: <= 1 exactly, 1 with all kept
     retained = held[:, upto].mean(0)                                                        # [F]
     widths = [b for b in BITS if b != 16 and t >= groups(b, d)[0]]              # shorter than a group: all dense
     quant = torch.zeros(len(BITS), device=k.device)                                         # [B] (16, dense: 0)
