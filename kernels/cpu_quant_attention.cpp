@@ -473,14 +473,12 @@ torch::Tensor quant_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
       const int64_t b = t / (G * PARTS), g = t / PARTS % G, p = t % PARTS;
       const int64_t begin = cut[b * (PARTS + 1) + p], end = cut[b * (PARTS + 1) + p + 1];
-      float *ap = acc.data() + t * Qn * Dp, *mp = m.data() + t * Qn, *lp = l.data() + t * Qn;
-      if (bf)
-        run_task(qp + g * Qn * D, static_cast<const kvplan::bf16*>(kp) + g * T * D,
-                 static_cast<const kvplan::bf16*>(vp) + g * T * D, begin, end, Qn, T, D, wq, bits[b], rows[b], vgroups[b],
-                 (float)scaling, sc, ap, mp, lp);
-      else
-        run_task(qp + g * Qn * D, static_cast<const float*>(kp) + g * T * D, static_cast<const float*>(vp) + g * T * D,
-                 begin, end, Qn, T, D, wq, bits[b], rows[b], vgroups[b], (float)scaling, sc, ap, mp, lp);
+      const auto run = [&](const auto* k0, const auto* v0) {       // k0, v0: fp32 or bf16 [G, T, D]
+        run_task(qp + g * Qn * D, k0 + g * T * D, v0 + g * T * D, begin, end, Qn, T, D, wq, bits[b], rows[b],
+                 vgroups[b], (float)scaling, sc, acc.data() + t * Qn * Dp, m.data() + t * Qn, l.data() + t * Qn);
+      };
+      if (bf) run(static_cast<const kvplan::bf16*>(kp), static_cast<const kvplan::bf16*>(vp));
+      else run(static_cast<const float*>(kp), static_cast<const float*>(vp));
     }
   });
   for (int64_t bg = 0; bg < B * G; ++bg)                        // the parts' states, in order -> out [Qn, D]

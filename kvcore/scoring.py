@@ -73,7 +73,7 @@ def spread(scores: torch.Tensor, span: int) -> torch.Tensor:
     its first tokens, the ones a copy reads first, and runs of different peaks keep their order."""
     if span <= 0 or scores.shape[-1] == 0:
         return scores
-    ext = _cpu_kernels() if scores.dim() == 2 and scores.device.type == "cpu" and scores.dtype == torch.float32 else None
+    ext = _cpu_kernels(scores.device) if scores.dim() == 2 and scores.dtype == torch.float32 else None
     if ext is not None:
         return ext.copy_span(scores.contiguous(), span)              # kernels/cpu_statistics.cpp: the same, bit for bit
     return spread_reference(scores, span)
@@ -89,10 +89,12 @@ def spread_reference(scores: torch.Tensor, span: int) -> torch.Tensor:
     return torch.where(peak.isfinite(), peak - behind * SPAN_TIE_BREAK * peak.abs(), peak)
 
 
-def _cpu_kernels():
-    """The built CPU extension where it has `copy_span` (`kernels/cpu_statistics.cpp`), else None."""
+def _cpu_kernels(device: torch.device | str = "cpu"):
+    """The built CPU extension where `kernels.backend` picks it for `device` and it has `copy_span`
+    (`kernels/cpu_statistics.cpp`), else None."""
     from kernels import cpu_extension
-    ext = cpu_extension.module()
+    from kernels.backend import backend
+    ext = cpu_extension.module() if backend(device) == "cpp" else None
     return ext if ext is not None and hasattr(ext, "copy_span") else None
 
 
