@@ -27,7 +27,7 @@ class Eviction:
     window: int = 32
     pool_kernel: int = 7
     scorer: str = "snapkv"
-    gqa_mode: str = "mean"    # repeat: a set per query head; mean | max: per KV head (kvcore.scoring.GROUPS)
+    gqa_mode: str = "mean"
     sink_tokens: int = 0
     kvcrush: KVCrush | None = None
     span_tokens: int = 0      # copy span (kvcore/scoring.py `spread`); 0 = off, as in the papers

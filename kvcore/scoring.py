@@ -104,26 +104,11 @@ def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return scores.view(num_kv_heads, h // num_kv_heads, t).mean(1)
 
 
-def group_max(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """GQA `max` [ours]: [H, T] -> [H_kv, T], each KV head scored by its most attentive query head.
-
-    Why: a KV head stores one set for all its query heads, and a row that one of them reads (a
-    retrieval head's spike on a needle) must be in it. The group's mean divides that spike by the
-    group's size and can rank it below rows the other heads spread their mass over; the max keeps
-    what any query head of the group attends. Each query head's window row sums to the same (the
-    window's queries), so their scores compare as they are."""
-    h, t = scores.shape
-    return scores.view(num_kv_heads, h // num_kv_heads, t).amax(1)
-
-
-GROUPS = {"mean": group_mean, "max": group_max}     # GQA modes storing one set per KV head; `repeat`: per query head
-
-
 def ranking(scores: torch.Tensor, ev, num_kv_heads: int) -> torch.Tensor:
     """The ranking an eviction part keeps the top of: raw head scores [H, T] pooled, spread by
-    the copy span, and in a GQA mode of `GROUPS` reduced per KV group -> [stored heads, T]."""
+    the copy span, and in GQA `mean` mode averaged per KV group -> [stored heads, T]."""
     scores = spread(pool(scores, ev.pool_kernel), ev.span_tokens)
-    return scores if ev.gqa_mode == "repeat" else GROUPS[ev.gqa_mode](scores, num_kv_heads)
+    return scores if ev.gqa_mode == "repeat" else group_mean(scores, num_kv_heads)
 
 
 def select(scores: torch.Tensor | None, num_tokens: int, keep: int, window: int, sinks: int,

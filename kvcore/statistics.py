@@ -12,11 +12,10 @@ of its own; the executor's prefill computes the same from its cache at the conte
 - `k_angle`, `v_angle` [m-1]: the mean angular distance (arccos(cos)/π) between the same token's
   pre-RoPE key (value) rows in layer i and i+1 — MiniCache's cue for which layers merge;
 - `Losses`: the relative error of the last `ERROR_QUERIES` queries' attention output when each
-  KV head keeps only a share of the context (SnapKV selection: window scores pooled, copy span,
-  each KV head ranked by its group's most attentive query head: GQA `max`), and when K/V are
-  quantized (the pool's KIVI groups, `kvcore.blocks.quant_shape`: one page a group), each
-  against the exact output; plus the window attention mass (the group's mean) the kept share
-  retains.
+  KV head keeps only a share of the context (SnapKV selection: group-mean window scores, pooled,
+  copy span), and when K/V are quantized (the pool's KIVI groups, `kvcore.blocks.quant_shape`:
+  one page a group), each against the exact output; plus the window attention mass the kept
+  share retains.
 
 Cost (it runs inside the executor's prefill, at the context's last chunk): the window's attention
 is computed once, grouped by KV head (no repeated K), summed per head and its last rows (the loss
@@ -33,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcore import scoring
-from kvcore.plan import Eviction
 
 K_SIMILAR, V_SIMILAR = 0.9, 0.6     # the cosine thresholds of SpindleKV's observation plots
 FRACTIONS = (1.0, 0.75, 0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.0)   # context share kept per KV head
@@ -42,10 +40,6 @@ QUANT_GROUP = 32                    # the plans' Quant.group_size (planner.auto)
                                     # groups instead: kvcore.blocks.quant_shape(bits)
 ERROR_QUERIES = 8                   # the window's last queries whose output errors are measured
 SINKS, SPAN, POOL = 4, 16, 7        # the selection the losses assume (auto's eviction part)
-GQA = "max"                         # ... each KV head's set ranked by its most attentive query head (scoring.group_max)
-
-
-SELECTION = Eviction(window=32, pool_kernel=POOL, scorer="snapkv", gqa_mode=GQA, span_tokens=SPAN)  # its ranking
 
 
 @dataclass(frozen=True)
@@ -145,7 +139,7 @@ def layer_losses(q_win: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_m
         probs = _grouped_probs(q_win.float(), k.float().transpose(1, 2), causal, scaling)    # [H_kv, g Wq, T]
     mass = scoring.group_mean(window_mass, hk)                                              # [H_kv, T]
     mass = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
-    ranked = scoring.ranking(window_mass, SELECTION, hk)[:, sinks:t - window]              # [H_kv, n_ctx] as auto's
+    ranked = scoring.spread(scoring.pool(mass, POOL), SPAN)[:, sinks:t - window]            # [H_kv, n_ctx]
     counts = [round(f * n_ctx) for f in FRACTIONS]
     bounds = sorted({c for c in counts if c > 0})                                           # set i + 1: ranks below bounds[i]
     seg = torch.zeros(hk, t, dtype=torch.int32, device=k.device)                            # set 0: sinks and window

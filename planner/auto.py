@@ -1,11 +1,11 @@
 """`auto`: the plan that fits the budget with the least predicted loss, layer by layer.
 
 From one probe of the prompt (`planner.probe`, with losses) every layer gets a table of storage
-forms — keep a share f of its context tokens per KV head (SnapKV selection with copy span,
-ranked by the group's most attentive query head, GQA `max`; sinks and window always kept) ×
-store them at b bits (16 = the storage dtype, else KIVI quantization) — each with its bytes
-and its predicted relative error of the attention output (eviction error + quantization error,
-both measured on the layer's own last queries). The forms are then chosen jointly: the set of one form per layer whose bytes fit the budget and
+forms — keep a share f of its context tokens per KV head (SnapKV selection with copy span;
+sinks and window always kept) × store them at b bits (16 = the storage dtype, else KIVI
+quantization) — each with its bytes and its predicted relative error of the attention output
+(eviction error + quantization error, both measured on the layer's own last queries). The
+forms are then chosen jointly: the set of one form per layer whose bytes fit the budget and
 whose summed loss is least (`planner.choice`, exact).
 
 Left out for now, with the reason: codebooks (where a codebook loses more than eviction for
@@ -25,7 +25,7 @@ from kvcore.cost import dense_row_bytes
 from kvcore.plan import CompressionPlan, Eviction, LayerPlan, Quant, full_plan
 from planner.budget import fits_full, step_rows
 from planner.choice import choose
-from kvcore.statistics import GQA, POOL, SINKS, SPAN
+from kvcore.statistics import POOL, SINKS, SPAN
 from kvcore.request import InvalidRequest
 from planner.request import PlanInput
 from planner.strategy import Strategy
@@ -90,7 +90,7 @@ def plan(inp: PlanInput, plan_id: str) -> CompressionPlan:
         keep = int(kept[fi]) - sinks - window
         bits = int(lo.bits[bi])
         ev = None if keep >= n_ctx else Eviction(keep_tokens=keep, window=window, pool_kernel=POOL, scorer="snapkv",
-                                                  gqa_mode=GQA, sink_tokens=sinks, span_tokens=SPAN)
+                                                  gqa_mode="mean", sink_tokens=sinks, span_tokens=SPAN)
         layers.append(LayerPlan(layer=i, eviction=ev,
                                 quant=None if bits == 16 else Quant(bits=bits, group_size=quant_shape(bits, d)[0],
                                                                          residual=RESIDUAL)))

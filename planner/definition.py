@@ -52,7 +52,7 @@ class EvictionPart:
     sink_tokens: int = 0          # leading prompt tokens always kept
     pool_kernel: int = 1          # 1-D avg-pool over scores (1 = none)
     span_tokens: int = 0          # copy span after pooling (kvcore.scoring.spread); 0 = off
-    gqa_mode: str = "mean"        # repeat (per query head) | mean | max (per KV head: its query heads' mean or max)
+    gqa_mode: str = "mean"        # repeat (per query head) | mean (per KV head)
 
 
 @dataclass(frozen=True)

@@ -37,18 +37,14 @@ def retained_attention(plan: CompressionPlan, stats: ProbeStats, num_kv_heads: i
     """stats.window_scores: [m, H, T] per query head (a `repeat`-mode probe) -> mean over layers."""
     def layer(ev: Eviction, s: np.ndarray) -> float:                                     # s: [H, T]
         h, t = s.shape
-        rank = s
         if ev.gqa_mode != "repeat":
-            grouped = s.reshape(num_kv_heads, h // num_kv_heads, t)
-            s = grouped.mean(1)                                                             # [H_kv, T] the mass
-            rank = grouped.max(1) if ev.gqa_mode == "max" else s                            # [H_kv, T] what ranks
+            s = s.reshape(num_kv_heads, h // num_kv_heads, t).mean(1)                       # [H_kv, T]
         window = min(ev.window, t)
         sinks = min(ev.sink_tokens, t - window)
         ctx = s[:, sinks:t - window]                                                        # [heads, n_ctx]
         keep = 0 if ev.scorer == "streaming_llm" else max(0, min(ev.keep_tokens or 0, ctx.shape[1]))
         fixed = s[:, :sinks].sum(-1) + s[:, t - window:].sum(-1)                            # [heads]
-        best = np.argsort(-rank[:, sinks:t - window], axis=-1, kind="stable")[:, :keep]     # [heads, keep]
-        top = np.take_along_axis(ctx, best, -1).sum(-1) if keep else 0.0
+        top = -np.sort(-ctx, axis=-1)[:, :keep].sum(-1) if keep else 0.0
         return float(np.mean((fixed + top) / np.maximum(s.sum(-1), 1e-30)))
     return _mean_over_layers(plan, stats, layer)
 

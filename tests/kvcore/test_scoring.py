@@ -62,24 +62,3 @@ def test_pool_is_a_same_length_average():
     s = torch.tensor([[0., 3., 0., 0.]])
     assert torch.allclose(scoring.pool(s, 3), torch.tensor([[1.5, 1.0, 1.0, 0.0]]))
     assert torch.equal(scoring.pool(s, 1), s)
-
-
-
-def test_gqa_max_keeps_what_one_query_head_of_the_group_attends():
-    """Three query heads on one KV head: head 0 spikes on token 1 (a needle), heads 1 and 2 put
-    their mass on tokens 2-4. At a budget of 2 the group's mean keeps tokens 2 and 3 and drops
-    the spike's; the group's max keeps it, beside the others' best."""
-    from kvcore.plan import Eviction
-    s = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1],
-                      [0.0, 0.0, 0.55, 0.45, 0.0],
-                      [0.0, 0.0, 0.5, 0.1, 0.4]])
-    torch.testing.assert_close(scoring.group_max(s, 1), torch.tensor([[0.1, 0.6, 0.55, 0.45, 0.4]]))
-    torch.testing.assert_close(scoring.group_mean(s, 1), torch.tensor([[0.1, 0.6, 1.15, 0.65, 0.5]]) / 3)
-    kept = {}
-    for mode in ("mean", "max"):
-        ev = Eviction(keep_tokens=2, window=0, pool_kernel=1, scorer="snapkv", gqa_mode=mode)
-        kept[mode] = scoring.select(scoring.ranking(s, ev, 1), 5, 2, 0, 0, 1).tolist()
-    assert kept == {"mean": [[2, 3]], "max": [[1, 2]]}
-    ev = Eviction(keep_tokens=2, window=0, pool_kernel=1, scorer="snapkv", gqa_mode="max")
-    assert scoring.ranking(torch.rand(6, 9), ev, 2).shape == (2, 9)          # one row per KV head
-

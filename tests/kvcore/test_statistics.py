@@ -1,7 +1,6 @@
 """The storage-form losses against the attention they stand for, computed the plain way: for
 each eviction share, SDPA over exactly the tokens kept (sinks, window, the best-ranked share of
-the rest per KV head by its query heads' best ranking — GQA max —, GQA heads sharing their KV
-head's set); for each bit width, SDPA over K/V
+the rest per KV head, GQA heads sharing their KV head's set); for each bit width, SDPA over K/V
 quantized and dequantized by the quant layer's own kernels in the pool's groups (one page a group:
 `kvcore.blocks.quant_shape`, 24/48/96 rows at 8/4/2 bits, the rest of the rows exact); the retained
 mass summed over the kept tokens."""
@@ -36,9 +35,7 @@ def _plain(q, k, v, mass_h, scaling, window):
     exact = out(k, v, causal[None])
     mass = scoring.group_mean(mass_h, hk)
     mass = mass / mass.sum(-1, keepdim=True)
-    by_head = scoring.spread(scoring.pool(mass_h, S.POOL), S.SPAN)                 # [H, T] each query head's ranking
-    rank = by_head.view(hk, h // hk, t).amax(1)                                     # [H_kv, T] GQA max: the group's best
-    order = rank[:, sinks:t - window].argsort(-1, descending=True) + sinks
+    order = scoring.spread(scoring.pool(mass, S.POOL), S.SPAN)[:, sinks:t - window].argsort(-1, descending=True) + sinks
     evict, retained = [], []
     for f in S.FRACTIONS:
         kept = torch.zeros(hk, t, dtype=torch.bool)
