@@ -1368,6 +1368,7 @@ torch::Tensor rank_sets(torch::Tensor ranked, std::vector<int64_t> cuts);
 torch::Tensor copy_span(torch::Tensor scores, int64_t span);
 torch::Tensor nested_errors(torch::Tensor num, torch::Tensor den, std::vector<int64_t> upto);
 bool stats_kernels();
+bool segment_kernel();
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor y, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
                             std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
@@ -1393,6 +1394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_span", &copy_span, "each token's peak over itself and the span before it, ties behind it lowered");
   m.def("rank_sets", &rank_sets, "each row's set from its rank by score, cut at the given ranks");
   m.def("stats_kernels", &stats_kernels, "whether window_stats, segment_sums and mean_angle are built here");
+  m.def("segment_kernel", &segment_kernel, "whether segment_sums is built here (AVX-512 or AVX2)");
   m.def("dequantized_forms", &dequantized_forms, "quantization and back at several bit widths, one pass");
   m.def("quantize_pack", &quantize_pack, "min/max quantization and packing of groups along a row");
   m.def("decode_layers", &decode_layers, "a decode step's decoder layers in one call (GIL released)",

@@ -26,7 +26,9 @@
 //   token's keys in two layers), norms and dot products in one pass over both.
 //
 // fp32 math throughout (q, k, v may be fp32 or bf16: they are widened as read). AVX-512 where the
-// compiler targets it; other hosts take the torch references (`stats_kernels()` says which).
+// compiler targets it; other hosts take the torch references (`stats_kernels()` says which), except
+// segment_sums, which has an 8-lane AVX2 path too (`segment_kernel()`): its torch reference masks the
+// probabilities once per set, S times the work, and was half an AVX2 host's statistics.
 //
 // Shapes: G KV heads; gq query heads a KV head; w window rows, e <= w loss rows; T context rows; D
 // head dim; Q query rows a KV head (segment_sums); S sets.
@@ -41,6 +43,14 @@
 namespace {
 
 using kvplan::to_f;
+
+#if defined(KVPLAN_AVX2) && !defined(KVPLAN_AVX512)
+// 8 bf16 -> 8 fp32 (exact: a bf16 is an fp32's upper half)
+inline __m256 load8_bf16(const kvplan::bf16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+#endif
 
 #ifdef KVPLAN_AVX512
 constexpr int64_t KB = 64;          // keys a block: 4 vectors of 16
@@ -111,6 +121,14 @@ std::vector<float>& scratch(int which, int64_t n) {
 }
 
 }  // namespace
+
+bool segment_kernel() {
+#if defined(KVPLAN_AVX512) || defined(KVPLAN_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool stats_kernels() {
 #ifdef KVPLAN_AVX512
@@ -294,7 +312,7 @@ std::tuple<torch::Tensor, torch::Tensor> window_stats(torch::Tensor q, torch::Te
 // Each KV head's rows are listed set by set (in row order), and 4 query rows' sums of a set are
 // 16 registers that its rows' p·v are added into.
 std::tuple<torch::Tensor, torch::Tensor> segment_sums(torch::Tensor p, torch::Tensor v, torch::Tensor seg, int64_t S) {
-  TORCH_CHECK(stats_kernels(), "segment_sums: built without AVX-512 (use the torch reference)");
+  TORCH_CHECK(segment_kernel(), "segment_sums: built without AVX-512 or AVX2 (use the torch reference)");
   check(p, "p", 3);
   check(v, "v", 3);
   check(seg, "seg", 2);
@@ -354,6 +372,48 @@ std::tuple<torch::Tensor, torch::Tensor> segment_sums(torch::Tensor p, torch::Te
         for (int64_t x = 0; x < nx; ++x) {
           for (int c = 0; c < 4; ++c) _mm512_storeu_ps(np_ + ((g * S + s) * Q + x0 + x) * D + 16 * c, acc[x][c]);
           dp[(g * S + s) * Q + x0 + x] = z[x];
+        }
+      }
+    }
+  });
+#elif defined(KVPLAN_AVX2)
+  // 8 lanes: 2 query rows a task and half a row of D (32 channels) at a time, so the 8 sums, the 4
+  // loaded channels and the 2 broadcasts stay in the 16 registers
+  constexpr int64_t QB = 2, DH = 32;
+  const int64_t nq = (Q + QB - 1) / QB;
+  const float* pp = p.data_ptr<float>();
+  const bool bf = v.scalar_type() == torch::kBFloat16;
+  const void* vp = v.data_ptr();
+  float *np_ = num.data_ptr<float>(), *dp = den.data_ptr<float>();
+  at::parallel_for(0, G * nq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / nq, x0 = task % nq * QB, nx = std::min(QB, Q - x0);
+      const float* pr[QB];
+      for (int64_t x = 0; x < QB; ++x) pr[x] = pp + (g * Q + x0 + std::min(x, nx - 1)) * T;   // past Q: repeats, not stored
+      const int64_t* st = start.data() + g * (S + 1);
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t h = 0; h < D; h += DH) {
+          __m256 acc[QB][4];
+          float z[QB] = {};
+          for (int64_t x = 0; x < QB; ++x)
+            for (int c = 0; c < 4; ++c) acc[x][c] = _mm256_setzero_ps();
+          for (int64_t i = st[s]; i < st[s + 1]; ++i) {
+            const int64_t t = rows[g * T + i], o = (g * T + t) * D + h;
+            __m256 vr[4];
+            for (int c = 0; c < 4; ++c)
+              vr[c] = bf ? load8_bf16(static_cast<const kvplan::bf16*>(vp) + o + 8 * c)
+                         : _mm256_loadu_ps(static_cast<const float*>(vp) + o + 8 * c);
+            for (int64_t x = 0; x < QB; ++x) {
+              const float pv = pr[x][t];
+              z[x] += pv;
+              const __m256 b = _mm256_set1_ps(pv);
+              for (int c = 0; c < 4; ++c) acc[x][c] = _mm256_fmadd_ps(b, vr[c], acc[x][c]);
+            }
+          }
+          for (int64_t x = 0; x < nx; ++x) {
+            for (int c = 0; c < 4; ++c) _mm256_storeu_ps(np_ + ((g * S + s) * Q + x0 + x) * D + h + 8 * c, acc[x][c]);
+            if (h == 0) dp[(g * S + s) * Q + x0 + x] = z[x];
+          }
         }
       }
     }

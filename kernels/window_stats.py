@@ -5,7 +5,7 @@ rank, and each nested share's output error from those sums; the mean angle betwe
 of two layers.
 
     kernel      C++ on the CPU with AVX-512 (`kernels/cpu_statistics.cpp`: `window_stats`,
-                `segment_sums`, `mean_angle`; `rank_sets`, `nested_errors` on any host): K transposed once into
+                `segment_sums`, `mean_angle`; `segment_sums` with AVX2 too; `rank_sets`, `nested_errors` on any host): K transposed once into
                 blocks of 64 keys, a block of query rows against 64 keys in registers; each set's
                 rows listed and summed in registers; the ranks' cuts by nth_element, no full sort;
                 norms and dot products of both rows in one pass
@@ -100,6 +100,12 @@ def _kernels():
     return ext if ext is not None and hasattr(ext, "stats_kernels") and ext.stats_kernels() else None
 
 
+def _segment_kernel():
+    """The built extension where it has `segment_sums` for this host (AVX-512 or AVX2), else None."""
+    ext = cpu_extension.module()
+    return ext if ext is not None and hasattr(ext, "segment_kernel") and ext.segment_kernel() else None
+
+
 def window_stats(q: torch.Tensor, k: torch.Tensor, w: int, e: int, scaling: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """As `window_stats_reference`: the C++ kernel for CPU fp32 or bf16 tensors where built."""
@@ -116,11 +122,11 @@ def window_stats(q: torch.Tensor, k: torch.Tensor, w: int, e: int, scaling: floa
 
 def segment_sums(p: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, sets: int) -> tuple[torch.Tensor, torch.Tensor]:
     """As `segment_sums_reference`: the C++ kernel for CPU tensors (p fp32, v fp32 or bf16, D = 64)
-    where built."""
+    where built (AVX-512 or AVX2)."""
     if p.dim() != 3 or v.dim() != 3 or seg.shape != p.shape[::2] or v.shape[:2] != seg.shape:
         raise ValueError(f"p must be [G, Q, T], v [G, T, D] and seg [G, T], got {list(p.shape)}, {list(v.shape)}, "
                          f"{list(seg.shape)}")
-    ext = _kernels() if backend(p.device) == "cpp" else None
+    ext = _segment_kernel() if backend(p.device) == "cpp" else None
     if ext is not None and p.dtype == torch.float32 and v.dtype in DTYPES and v.shape[2] == 64:
         return tuple(ext.segment_sums(p.contiguous(), v.contiguous(), seg.to(torch.int32).contiguous(), sets))
     return segment_sums_reference(p, v, seg, sets)
