@@ -307,10 +307,85 @@ std::tuple<torch::Tensor, torch::Tensor> window_stats(torch::Tensor q, torch::Te
   return {s, last};
 }
 
+#if defined(KVPLAN_AVX512) || defined(KVPLAN_AVX2)
+namespace {
+#ifdef KVPLAN_AVX512
+struct Lanes16 {                    // one AVX-512 register of floats
+  using V = __m512;
+  static constexpr int N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const kvplan::bf16* p) { return kvplan::load16(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+};
+#else
+struct Lanes8 {                     // one AVX2 register of floats
+  using V = __m256;
+  static constexpr int N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const kvplan::bf16* p) { return load8_bf16(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+};
+#endif
+
+// segment_sums' pass: a task is QB query rows of one KV head; per set, its rows' p·v are added into
+// QB × 4 registers of L::N lanes, 4·L::N channels of D at a time (AVX-512: the whole row at once; AVX2:
+// half, so the 8 sums, the 4 loaded channels and the 2 broadcasts stay in the 16 registers)
+template <class L, int64_t QB>
+void segment_pass(const torch::Tensor& p, const torch::Tensor& v, torch::Tensor& num, torch::Tensor& den,
+                  const std::vector<int64_t>& start, const std::vector<int64_t>& rows, int64_t S) {
+  constexpr int64_t DH = 4 * L::N;
+  const int64_t G = p.size(0), Q = p.size(1), T = p.size(2), D = v.size(2);
+  const int64_t nq = (Q + QB - 1) / QB;
+  const float* pp = p.data_ptr<float>();
+  const bool bf = v.scalar_type() == torch::kBFloat16;
+  const void* vp = v.data_ptr();
+  float *np_ = num.data_ptr<float>(), *dp = den.data_ptr<float>();
+  at::parallel_for(0, G * nq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / nq, x0 = task % nq * QB, nx = std::min(QB, Q - x0);
+      const float* pr[QB];
+      for (int64_t x = 0; x < QB; ++x) pr[x] = pp + (g * Q + x0 + std::min(x, nx - 1)) * T;   // past Q: repeats, not stored
+      const int64_t* st = start.data() + g * (S + 1);
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t h = 0; h < D; h += DH) {
+          typename L::V acc[QB][4];
+          float z[QB] = {};
+          for (int64_t x = 0; x < QB; ++x)
+            for (int c = 0; c < 4; ++c) acc[x][c] = L::zero();
+          for (int64_t i = st[s]; i < st[s + 1]; ++i) {
+            const int64_t t = rows[g * T + i], o = (g * T + t) * D + h;
+            typename L::V vr[4];
+            for (int c = 0; c < 4; ++c)
+              vr[c] = bf ? L::load(static_cast<const kvplan::bf16*>(vp) + o + L::N * c)
+                         : L::load(static_cast<const float*>(vp) + o + L::N * c);
+            for (int64_t x = 0; x < QB; ++x) {
+              const float pv = pr[x][t];
+              z[x] += pv;
+              const typename L::V b = L::set1(pv);
+              for (int c = 0; c < 4; ++c) acc[x][c] = L::fma(b, vr[c], acc[x][c]);
+            }
+          }
+          for (int64_t x = 0; x < nx; ++x) {
+            for (int c = 0; c < 4; ++c) L::store(np_ + ((g * S + s) * Q + x0 + x) * D + h + L::N * c, acc[x][c]);
+            if (h == 0) dp[(g * S + s) * Q + x0 + x] = z[x];
+          }
+        }
+      }
+    }
+  });
+}
+}  // namespace
+#endif
+
 // p [G, Q, T] fp32 probabilities, v [G, T, D] (fp32 or bf16), seg [G, T] int32 each row's set (0 ..
 // S - 1; -1: none) -> num [G, S, Q, D] the sum of p·v over each set's rows, den [G, S, Q] of p, fp32.
-// Each KV head's rows are listed set by set (in row order), and 4 query rows' sums of a set are
-// 16 registers that its rows' p·v are added into.
+// Each KV head's rows are listed set by set (in row order), then summed by `segment_pass`.
 std::tuple<torch::Tensor, torch::Tensor> segment_sums(torch::Tensor p, torch::Tensor v, torch::Tensor seg, int64_t S) {
   TORCH_CHECK(segment_kernel(), "segment_sums: built without AVX-512 or AVX2 (use the torch reference)");
   check(p, "p", 3);
@@ -339,85 +414,9 @@ std::tuple<torch::Tensor, torch::Tensor> segment_sums(torch::Tensor p, torch::Te
   auto num = torch::zeros({G, S, Q, D}, p.options());
   auto den = torch::zeros({G, S, Q}, p.options());
 #ifdef KVPLAN_AVX512
-  constexpr int64_t QB = 4;                                     // query rows a task
-  const int64_t nq = (Q + QB - 1) / QB;
-  const float* pp = p.data_ptr<float>();
-  const bool bf = v.scalar_type() == torch::kBFloat16;
-  const void* vp = v.data_ptr();
-  float *np_ = num.data_ptr<float>(), *dp = den.data_ptr<float>();
-  at::parallel_for(0, G * nq, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / nq, x0 = task % nq * QB, nx = std::min(QB, Q - x0);
-      const float* pr[QB];
-      for (int64_t x = 0; x < QB; ++x) pr[x] = pp + (g * Q + x0 + std::min(x, nx - 1)) * T;   // past Q: repeats, not stored
-      const int64_t* st = start.data() + g * (S + 1);
-      for (int64_t s = 0; s < S; ++s) {
-        __m512 acc[QB][4];
-        float z[QB] = {};
-        for (int64_t x = 0; x < QB; ++x)
-          for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_setzero_ps();
-        for (int64_t i = st[s]; i < st[s + 1]; ++i) {
-          const int64_t t = rows[g * T + i], o = (g * T + t) * D;
-          __m512 vr[4];
-          for (int c = 0; c < 4; ++c)
-            vr[c] = bf ? kvplan::load16(static_cast<const kvplan::bf16*>(vp) + o + 16 * c)
-                       : _mm512_loadu_ps(static_cast<const float*>(vp) + o + 16 * c);
-          for (int64_t x = 0; x < QB; ++x) {
-            const float pv = pr[x][t];
-            z[x] += pv;
-            const __m512 b = _mm512_set1_ps(pv);
-            for (int c = 0; c < 4; ++c) acc[x][c] = _mm512_fmadd_ps(b, vr[c], acc[x][c]);
-          }
-        }
-        for (int64_t x = 0; x < nx; ++x) {
-          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(np_ + ((g * S + s) * Q + x0 + x) * D + 16 * c, acc[x][c]);
-          dp[(g * S + s) * Q + x0 + x] = z[x];
-        }
-      }
-    }
-  });
+  segment_pass<Lanes16, 4>(p, v, num, den, start, rows, S);      // 4 query rows a task, a whole row of D
 #elif defined(KVPLAN_AVX2)
-  // 8 lanes: 2 query rows a task and half a row of D (32 channels) at a time, so the 8 sums, the 4
-  // loaded channels and the 2 broadcasts stay in the 16 registers
-  constexpr int64_t QB = 2, DH = 32;
-  const int64_t nq = (Q + QB - 1) / QB;
-  const float* pp = p.data_ptr<float>();
-  const bool bf = v.scalar_type() == torch::kBFloat16;
-  const void* vp = v.data_ptr();
-  float *np_ = num.data_ptr<float>(), *dp = den.data_ptr<float>();
-  at::parallel_for(0, G * nq, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / nq, x0 = task % nq * QB, nx = std::min(QB, Q - x0);
-      const float* pr[QB];
-      for (int64_t x = 0; x < QB; ++x) pr[x] = pp + (g * Q + x0 + std::min(x, nx - 1)) * T;   // past Q: repeats, not stored
-      const int64_t* st = start.data() + g * (S + 1);
-      for (int64_t s = 0; s < S; ++s) {
-        for (int64_t h = 0; h < D; h += DH) {
-          __m256 acc[QB][4];
-          float z[QB] = {};
-          for (int64_t x = 0; x < QB; ++x)
-            for (int c = 0; c < 4; ++c) acc[x][c] = _mm256_setzero_ps();
-          for (int64_t i = st[s]; i < st[s + 1]; ++i) {
-            const int64_t t = rows[g * T + i], o = (g * T + t) * D + h;
-            __m256 vr[4];
-            for (int c = 0; c < 4; ++c)
-              vr[c] = bf ? load8_bf16(static_cast<const kvplan::bf16*>(vp) + o + 8 * c)
-                         : _mm256_loadu_ps(static_cast<const float*>(vp) + o + 8 * c);
-            for (int64_t x = 0; x < QB; ++x) {
-              const float pv = pr[x][t];
-              z[x] += pv;
-              const __m256 b = _mm256_set1_ps(pv);
-              for (int c = 0; c < 4; ++c) acc[x][c] = _mm256_fmadd_ps(b, vr[c], acc[x][c]);
-            }
-          }
-          for (int64_t x = 0; x < nx; ++x) {
-            for (int c = 0; c < 4; ++c) _mm256_storeu_ps(np_ + ((g * S + s) * Q + x0 + x) * D + h + 8 * c, acc[x][c]);
-            if (h == 0) dp[(g * S + s) * Q + x0 + x] = z[x];
-          }
-        }
-      }
-    }
-  });
+  segment_pass<Lanes8, 2>(p, v, num, den, start, rows, S);       // 2 query rows a task, 32 channels at a time
 #endif
   return {num, den};
 }
