@@ -44,14 +44,6 @@ namespace {
 
 using kvplan::to_f;
 
-#if defined(KVPLAN_AVX2) && !defined(KVPLAN_AVX512)
-// 8 bf16 -> 8 fp32 (exact: a bf16 is an fp32's upper half)
-inline __m256 load8_bf16(const kvplan::bf16* p) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-#endif
-
 #ifdef KVPLAN_AVX512
 constexpr int64_t KB = 64;          // keys a block: 4 vectors of 16
 
@@ -316,8 +308,7 @@ struct Lanes16 {                    // one AVX-512 register of floats
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const kvplan::bf16* p) { return kvplan::load16(p); }
+  template <class T> static V load(const T* p) { return kvplan::load16(p); }   // fp32 or bf16 (widened)
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
 };
 #else
@@ -327,8 +318,7 @@ struct Lanes8 {                     // one AVX2 register of floats
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V load(const kvplan::bf16* p) { return load8_bf16(p); }
+  template <class T> static V load(const T* p) { return kvplan::load8(p); }    // fp32 or bf16 (widened)
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
 };
 #endif

@@ -79,6 +79,10 @@ inline __m512 exp_neg16(__m512 x) {
 // 8 lanes where the host has AVX2 (and F16C, FMA) but not AVX-512: the same math, half as wide
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const bf16* p) {           // exact: a bf16 is an fp32's upper half
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 
 // e^x for x <= 0, as exp_neg16 (2^round * a degree-6 polynomial of 2^frac; x below -87 counts as -87)
 inline __m256 exp_neg8(__m256 x) {

@@ -94,16 +94,11 @@ def rank_sets(ranked: torch.Tensor, cuts: list[int]) -> torch.Tensor:
     return rank_sets_reference(ranked, cuts)
 
 
-def _kernels():
-    """The built extension where it has these kernels for this host (AVX-512), else None."""
+def _kernels(built: str = "stats_kernels"):
+    """The built extension where its `built()` says it has the kernels for this host, else None:
+    "stats_kernels" all of them (AVX-512), "segment_kernel" `segment_sums` (AVX-512 or AVX2)."""
     ext = cpu_extension.module()
-    return ext if ext is not None and hasattr(ext, "stats_kernels") and ext.stats_kernels() else None
-
-
-def _segment_kernel():
-    """The built extension where it has `segment_sums` for this host (AVX-512 or AVX2), else None."""
-    ext = cpu_extension.module()
-    return ext if ext is not None and hasattr(ext, "segment_kernel") and ext.segment_kernel() else None
+    return ext if ext is not None and hasattr(ext, built) and getattr(ext, built)() else None
 
 
 def window_stats(q: torch.Tensor, k: torch.Tensor, w: int, e: int, scaling: float
@@ -126,7 +121,7 @@ def segment_sums(p: torch.Tensor, v: torch.Tensor, seg: torch.Tensor, sets: int)
     if p.dim() != 3 or v.dim() != 3 or seg.shape != p.shape[::2] or v.shape[:2] != seg.shape:
         raise ValueError(f"p must be [G, Q, T], v [G, T, D] and seg [G, T], got {list(p.shape)}, {list(v.shape)}, "
                          f"{list(seg.shape)}")
-    ext = _segment_kernel() if backend(p.device) == "cpp" else None
+    ext = _kernels("segment_kernel") if backend(p.device) == "cpp" else None
     if ext is not None and p.dtype == torch.float32 and v.dtype in DTYPES and v.shape[2] == 64:
         return tuple(ext.segment_sums(p.contiguous(), v.contiguous(), seg.to(torch.int32).contiguous(), sets))
     return segment_sums_reference(p, v, seg, sets)
